@@ -1,0 +1,38 @@
+"""torchmha: PyTorch's multi-head attention reimplemented in C++ (LibTorch).
+
+    import torchmha
+    mha = torchmha.MultiheadAttention(512, 8, batch_first=True)   # drop-in for torch.nn's
+    torchmha.replace_multihead_attention(model)                    # swap every one in a model
+
+The compute is in the C++ extension (torch.ops.torchmha.*); the classes here are ordinary
+torch.nn.Modules that own their parameters and call it.
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension that links it)
+
+from . import _C  # noqa: F401  (registers torch.ops.torchmha.*)
+from . import cpp
+from .functional import in_projection, in_projection_packed, multi_head_attention_forward
+from .modules import (
+    MultiheadAttention,
+    MultiheadAttentionV1,
+    MultiheadAttentionV2,
+    MultiheadAttentionV3,
+    MultiheadAttentionV4,
+    replace_multihead_attention,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MultiheadAttention",
+    "MultiheadAttentionV1",
+    "MultiheadAttentionV2",
+    "MultiheadAttentionV3",
+    "MultiheadAttentionV4",
+    "cpp",
+    "in_projection",
+    "in_projection_packed",
+    "multi_head_attention_forward",
+    "replace_multihead_attention",
+]

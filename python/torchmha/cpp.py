@@ -1,0 +1,38 @@
+"""The C++ modules themselves (torch::python::bind_module), for interop with C++ code.
+
+These are LibTorch modules seen from Python (torch.nn.cpp-style wrappers), not torch.nn.Modules:
+use torchmha.MultiheadAttention & co. in Python models, and these to check or move weights
+between a C++ module and its Python counterpart with :func:`copy_parameters`.
+"""
+
+import torch
+
+from ._C import cpp as _cpp
+
+MultiheadAttention = _cpp.MultiheadAttention
+MultiheadAttentionV1 = _cpp.MultiheadAttentionV1
+MultiheadAttentionV2 = _cpp.MultiheadAttentionV2
+MultiheadAttentionV3 = _cpp.MultiheadAttentionV3
+MultiheadAttentionV4 = _cpp.MultiheadAttentionV4
+
+
+def _named_parameters(module) -> dict:
+    return dict(module.named_parameters())
+
+
+def copy_parameters(src, dst) -> None:
+    """Copies every parameter of ``src`` into the parameter of the same name in ``dst``; either
+    may be a C++ module from this namespace or a Python module (torchmha's or torch's). Names
+    and shapes must match exactly (a KeyError or ValueError says which do not)."""
+    src_params, dst_params = _named_parameters(src), _named_parameters(dst)
+    if src_params.keys() != dst_params.keys():
+        raise KeyError(
+            f"parameter names differ: only in source {sorted(src_params.keys() - dst_params.keys())}, "
+            f"only in destination {sorted(dst_params.keys() - src_params.keys())}"
+        )
+    with torch.no_grad():
+        for name, value in src_params.items():
+            target = dst_params[name]
+            if target.shape != value.shape:
+                raise ValueError(f"parameter {name}: source shape {tuple(value.shape)} != destination {tuple(target.shape)}")
+            target.copy_(value)

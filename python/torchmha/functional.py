@@ -1,0 +1,77 @@
+"""Functional API: thin Python entry points to the C++ ops registered as torch.ops.torchmha.*."""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _C  # noqa: F401  (registers the ops)
+
+_ops = torch.ops.torchmha
+
+
+def in_projection_packed(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Optional[Tensor] = None):
+    """Same as ``torch.nn.functional._in_projection_packed``: project q, k, v with one packed
+    weight (3E, E) and bias (3E). The case (self-attention when q, k and v are the same tensor,
+    encoder-decoder when only k and v are, else three projections) is chosen by tensor identity.
+    Returns a tuple (q', k', v')."""
+    return tuple(_ops.in_projection_packed(q, k, v, w, b))
+
+
+def in_projection(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    w_q: Tensor,
+    w_k: Tensor,
+    w_v: Tensor,
+    b_q: Optional[Tensor] = None,
+    b_k: Optional[Tensor] = None,
+    b_v: Optional[Tensor] = None,
+):
+    """Same as ``torch.nn.functional._in_projection``: three projections with separate weights
+    w_q (Eq, Eq), w_k (Eq, Ek), w_v (Eq, Ev). Returns a tuple (q', k', v')."""
+    return tuple(_ops.in_projection(q, k, v, w_q, w_k, w_v, b_q, b_k, b_v))
+
+
+def multi_head_attention_forward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    embed_dim_to_check: int,
+    num_heads: int,
+    in_proj_weight: Optional[Tensor],
+    in_proj_bias: Optional[Tensor],
+    bias_k: Optional[Tensor],
+    bias_v: Optional[Tensor],
+    add_zero_attn: bool,
+    dropout_p: float,
+    out_proj_weight: Tensor,
+    out_proj_bias: Optional[Tensor],
+    training: bool = True,
+    key_padding_mask: Optional[Tensor] = None,
+    need_weights: bool = True,
+    attn_mask: Optional[Tensor] = None,
+    use_separate_proj_weight: bool = False,
+    q_proj_weight: Optional[Tensor] = None,
+    k_proj_weight: Optional[Tensor] = None,
+    v_proj_weight: Optional[Tensor] = None,
+    static_k: Optional[Tensor] = None,
+    static_v: Optional[Tensor] = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+):
+    """``torch.nn.functional.multi_head_attention_forward`` with the same signature, computed by
+    torchmha's C++ core. Layout (L, N, E) or unbatched (L, E). Returns (output, weights or None).
+    static_k / static_v are not supported (NotImplementedError)."""
+    if static_k is not None or static_v is not None:
+        raise NotImplementedError("torchmha.multi_head_attention_forward does not support static_k/static_v")
+    if use_separate_proj_weight:
+        in_proj_weight = None
+    else:
+        q_proj_weight = k_proj_weight = v_proj_weight = None
+    return _ops.multi_head_attention_forward.default(
+        query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias, bias_k, bias_v,
+        add_zero_attn, dropout_p, out_proj_weight, out_proj_bias, training, key_padding_mask, need_weights,
+        attn_mask, q_proj_weight, k_proj_weight, v_proj_weight, average_attn_weights, is_causal, False, False,
+    )

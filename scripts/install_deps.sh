@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs what building and testing torchmha needs, skipping what is already there:
+# PyTorch (the CPU build 2.13.0 unless a torch is installed), the Python test/demo packages,
+# CMake/Ninja/a C++ compiler, and GoogleTest (Debian's libgtest-dev).
+set -euo pipefail
+PYTHON=${PYTHON:-python3}
+
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+  # Pinned: an unpinned `torch` pulls a multi-GB CUDA build.
+  "$PYTHON" -m pip install "torch==${TORCH_VERSION:-2.13.0}"
+fi
+"$PYTHON" -m pip install -q pytest hypothesis numpy matplotlib tqdm setuptools wheel expecttest
+
+need_apt=()
+command -v cmake >/dev/null || need_apt+=(cmake)
+command -v ninja >/dev/null || need_apt+=(ninja-build)
+command -v g++ >/dev/null || need_apt+=(g++)
+[ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q
+  $SUDO apt-get install -y -q "${need_apt[@]}"
+fi
