@@ -330,11 +330,6 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
   }
 
   // --- masks: canonical additive float masks; is_causal as torch treats the hint.
-  if (kpm.defined() && mask_raw.defined() && kpm.scalar_type() != mask_raw.scalar_type()) {
-    TORCH_WARN(
-        "key_padding_mask (", kpm.scalar_type(), ") and attn_mask (", mask_raw.scalar_type(),
-        ") have different dtypes; this is deprecated in torch.nn.MultiheadAttention: use the same dtype for both.");
-  }
   kpm = canonical_mask(kpm, "key_padding_mask", query.scalar_type());
   Tensor attn_mask = canonical_mask(mask_raw, "attn_mask", query.scalar_type());
   TORCH_CHECK(

@@ -1,5 +1,6 @@
 """Functional API: thin Python entry points to the C++ ops registered as torch.ops.torchmha.*."""
 
+import warnings
 from typing import Optional
 
 import torch
@@ -8,6 +9,17 @@ from torch import Tensor
 from . import _C  # noqa: F401  (registers the ops)
 
 _ops = torch.ops.torchmha
+
+
+def warn_if_mask_dtypes_differ(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor]) -> None:
+    """torch.nn.MultiheadAttention's deprecation warning for masks of different dtypes. Raised here,
+    in Python, because warnings from inside a torch.ops call reach stderr, not the warnings module."""
+    if key_padding_mask is not None and attn_mask is not None and key_padding_mask.dtype != attn_mask.dtype:
+        warnings.warn(
+            f"key_padding_mask ({key_padding_mask.dtype}) and attn_mask ({attn_mask.dtype}) have different "
+            "dtypes; mixing them is deprecated in torch.nn.MultiheadAttention: use one dtype for both.",
+            stacklevel=3,
+        )
 
 
 def in_projection_packed(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Optional[Tensor] = None):
@@ -66,6 +78,7 @@ def multi_head_attention_forward(
     static_k / static_v are not supported (NotImplementedError)."""
     if static_k is not None or static_v is not None:
         raise NotImplementedError("torchmha.multi_head_attention_forward does not support static_k/static_v")
+    warn_if_mask_dtypes_differ(key_padding_mask, attn_mask)
     if use_separate_proj_weight:
         in_proj_weight = None
     else:

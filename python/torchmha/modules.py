@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _C  # noqa: F401  (registers the ops)
+from .functional import warn_if_mask_dtypes_differ
 
 _mha_op = torch.ops.torchmha.multi_head_attention_forward.default
 
@@ -152,6 +153,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         # torch takes its fused inference path only outside tracing; the C++ core checks the
         # remaining conditions (eval, no grad, batch_first, self-attention, ...).
         allow_fast_path = torch.backends.mha.get_fastpath_enabled() and not torch.compiler.is_compiling()
+        warn_if_mask_dtypes_differ(key_padding_mask, attn_mask)
         return _mha_op(
             query, key, value, self.embed_dim, self.num_heads,
             self.in_proj_weight, self.in_proj_bias, self.bias_k, self.bias_v, self.add_zero_attn,

@@ -1,0 +1,441 @@
+"""torchmha.MultiheadAttention as a drop-in for torch.nn.MultiheadAttention: construction,
+checkpoints, randomized parity over every option, errors, and torch's own Transformer."""
+
+import copy
+import io
+import pickle
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import torchmha
+from conftest import TOLERANCE, assert_close, mha_pair
+
+CONFIGS = [
+    dict(embed_dim=8, num_heads=2),
+    dict(embed_dim=12, num_heads=3, bias=False),
+    dict(embed_dim=8, num_heads=4, add_bias_kv=True, add_zero_attn=True),
+    dict(embed_dim=6, num_heads=2, kdim=5, vdim=3, batch_first=True),
+    dict(embed_dim=16, num_heads=8, dropout=0.1, batch_first=True),
+]
+
+
+# ------------------------------------------------------------------------------- construction
+@pytest.mark.parametrize("config", CONFIGS)
+def test_new_module_has_torchs_parameters(config):
+    torch.manual_seed(7)
+    ref = torch.nn.MultiheadAttention(**config)
+    torch.manual_seed(7)
+    ours = torchmha.MultiheadAttention(**config)
+    assert isinstance(ours, torch.nn.MultiheadAttention)
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    for (name, a), b in zip(ours.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+    for attr in ("embed_dim", "kdim", "vdim", "num_heads", "head_dim", "dropout", "batch_first",
+                 "_qkv_same_embed_dim", "add_zero_attn"):
+        assert getattr(ours, attr) == getattr(ref, attr), attr
+    assert repr(ours) == repr(ref)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_checkpoints_load_both_ways(config):
+    ref, ours = mha_pair(**config)
+    fresh_ref = torch.nn.MultiheadAttention(**config, dtype=torch.float64)
+    fresh_ref.load_state_dict(ours.state_dict(), strict=True)
+    fresh_ours = torchmha.MultiheadAttention(**config, dtype=torch.float64)
+    fresh_ours.load_state_dict(ref.state_dict(), strict=True)
+    ref.eval(), fresh_ref.eval(), fresh_ours.eval()
+    def seq(length, features):  # (L, N, E) or (N, L, E)
+        shape = (2, length, features) if config.get("batch_first") else (length, 2, features)
+        return torch.randn(shape, dtype=torch.float64)
+
+    q = seq(5, config["embed_dim"])
+    k = seq(4, config.get("kdim") or config["embed_dim"])
+    v = seq(4, config.get("vdim") or config["embed_dim"])
+    expected = ref(q, k, v)[0]
+    assert_close(fresh_ours(q, k, v)[0], expected)
+    assert_close(fresh_ref(q, k, v)[0], expected)
+
+
+def test_serialization_copies_and_conversions():
+    ref, ours = mha_pair(8, 2, add_bias_kv=True)
+    x = torch.randn(4, 3, 8, dtype=torch.float64)
+    expected = ours(x, x, x)[0]
+    assert_close(copy.deepcopy(ours)(x, x, x)[0], expected)
+    assert_close(pickle.loads(pickle.dumps(ours))(x, x, x)[0], expected)
+    buffer = io.BytesIO()
+    torch.save(ours, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded) is torchmha.MultiheadAttention
+    assert_close(loaded(x, x, x)[0], expected)
+    # Old pickles without _qkv_same_embed_dim load, as torch's __setstate__ allows.
+    state = ours.__getstate__()
+    del state["_qkv_same_embed_dim"]
+    old = torchmha.MultiheadAttention.__new__(torchmha.MultiheadAttention)
+    old.__setstate__(state)
+    assert old._qkv_same_embed_dim is True
+    assert_close(old(x, x, x)[0], expected)
+    as_float = ours.to(torch.float32)
+    assert as_float is ours and ours.in_proj_weight.dtype == torch.float32
+    assert ours.to("cpu", torch.float64) is ours
+    assert ours.to(device="meta").in_proj_weight.is_meta
+
+
+# ----------------------------------------------------------------------- randomized parity
+@st.composite
+def mha_cases(draw):
+    head_dim = draw(st.sampled_from([1, 2, 3, 5, 8]))
+    num_heads = draw(st.sampled_from([1, 2, 3, 4]))
+    embed_dim = head_dim * num_heads
+    config = dict(
+        embed_dim=embed_dim,
+        num_heads=num_heads,
+        bias=draw(st.booleans()),
+        add_bias_kv=draw(st.booleans()),
+        add_zero_attn=draw(st.booleans()),
+        batch_first=draw(st.booleans()),
+    )
+    if draw(st.booleans()):
+        config["kdim"] = draw(st.integers(1, 9))
+        config["vdim"] = draw(st.integers(1, 9))
+    same_dims = config.get("kdim", embed_dim) == embed_dim and config.get("vdim", embed_dim) == embed_dim
+    attention = draw(st.sampled_from(["self", "encoder_decoder", "general"] if same_dims else ["general"]))
+    call = dict(
+        batched=draw(st.booleans()),
+        N=draw(st.integers(1, 3)),
+        L=draw(st.integers(1, 6)),
+        S=draw(st.integers(1, 7)),
+        attention=attention,
+        kpm=draw(st.sampled_from([None, "bool", "float"])),
+        attn_mask=draw(st.sampled_from([None, "bool", "float", "bool3d", "float3d"])),
+        need_weights=draw(st.booleans()),
+        average_attn_weights=draw(st.booleans()),
+        is_causal=draw(st.booleans()),
+        mode=draw(st.sampled_from(["train", "eval", "inference"])),
+    )
+    if attention == "self" or call["is_causal"]:
+        call["S"] = call["L"]
+    return config, call
+
+
+def build_inputs(config, call, dtype):
+    E = config["embed_dim"]
+    N, L, S, batched = call["N"], call["L"], call["S"], call["batched"]
+
+    def seq(length, features):
+        if not batched:
+            shape = (length, features)
+        else:
+            shape = (N, length, features) if config["batch_first"] else (length, N, features)
+        return torch.randn(shape, dtype=dtype, requires_grad=call["mode"] != "inference")
+
+    query = seq(L, E)
+    if call["attention"] == "self":
+        key = value = query
+    elif call["attention"] == "encoder_decoder":
+        key = value = seq(S, E)
+    else:
+        key, value = seq(S, config.get("kdim", E)), seq(S, config.get("vdim", E))
+
+    def mask(kind, shape):
+        if kind is None:
+            return None
+        if kind.startswith("bool"):
+            m = torch.rand(shape) > 0.7
+            m[..., 0] = False  # no query loses every key (fully masked rows have their own test)
+            return m
+        return torch.randn(shape, dtype=dtype)
+
+    kpm = mask(call["kpm"], (N, S) if batched else (S,))
+    heads = (N if batched else 1) * config["num_heads"]
+    attn_mask = None
+    if call["is_causal"]:
+        attn_mask = torch.ones(L, S, dtype=torch.bool).triu(1)
+    elif call["attn_mask"] is not None:
+        kind = call["attn_mask"]
+        attn_mask = mask(kind.replace("3d", ""), (heads, L, S) if kind.endswith("3d") else (L, S))
+    if kpm is not None and attn_mask is not None and kpm.dtype != attn_mask.dtype:
+        attn_mask = attn_mask.float().masked_fill(attn_mask, float("-inf")).to(dtype) if attn_mask.dtype == torch.bool else attn_mask
+        kpm = kpm.to(dtype).masked_fill(kpm, float("-inf")) if kpm.dtype == torch.bool else kpm
+    kwargs = dict(key_padding_mask=kpm, attn_mask=attn_mask, need_weights=call["need_weights"],
+                  average_attn_weights=call["average_attn_weights"], is_causal=call["is_causal"])
+    return (query, key, value), kwargs
+
+
+def run(module, inputs, kwargs, mode):
+    module.train(mode == "train")
+    with torch.set_grad_enabled(mode != "inference"):
+        return module(*inputs, **kwargs)
+
+
+def check_case(config, call, dtype):
+    ref, ours = mha_pair(**config, dtype=dtype)
+    inputs, kwargs = build_inputs(config, call, dtype)
+    ref_out, ref_w = run(ref, inputs, kwargs, call["mode"])
+    out, w = run(ours, inputs, kwargs, call["mode"])
+    context = f"config={config} call={call}"
+    assert_close(out, ref_out, dtype, context)
+    if ref_w is None:
+        assert w is None, context
+    else:
+        assert_close(w, ref_w, dtype, context)
+    if call["mode"] == "inference":
+        return
+    upstream = torch.randn_like(ref_out)
+    leaves = list({id(t): t for t in inputs}.values())
+    ref_grads = torch.autograd.grad((ref_out * upstream).sum(), leaves + list(ref.parameters()), allow_unused=True)
+    grads = torch.autograd.grad((out * upstream).sum(), leaves + list(ours.parameters()), allow_unused=True)
+    names = [f"input{i}" for i in range(len(leaves))] + [n for n, _ in ref.named_parameters()]
+    for name, a, b in zip(names, grads, ref_grads):
+        if b is None:
+            assert a is None or not a.any(), f"{name}: {context}"
+        else:
+            assert_close(a, b, dtype, f"gradient of {name}: {context}")
+
+
+@given(mha_cases())
+def test_randomized_parity_float64(case):
+    check_case(*case, torch.float64)
+
+
+@given(mha_cases())
+def test_randomized_parity_float32(case):
+    check_case(*case, torch.float32)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_bfloat16_error_within_torchs_own(batch_first, need_weights):
+    """Against a float64 reference, our bfloat16 error is at most about torch's bfloat16 error."""
+    ref64, _ = mha_pair(64, 4, batch_first=batch_first, dtype=torch.float64)
+    ref16 = copy.deepcopy(ref64).to(torch.bfloat16)
+    ours16 = torchmha.MultiheadAttention(64, 4, batch_first=batch_first, dtype=torch.bfloat16)
+    ours16.load_state_dict(ref16.state_dict())
+    x = torch.randn(4, 32, 64, dtype=torch.float64)
+    expected = ref64(x, x, x, need_weights=need_weights)[0]
+    x16 = x.to(torch.bfloat16)
+    torch_error = (ref16(x16, x16, x16, need_weights=need_weights)[0].double() - expected).abs().max().item()
+    our_error = (ours16(x16, x16, x16, need_weights=need_weights)[0].double() - expected).abs().max().item()
+    assert our_error <= 2 * torch_error + 1e-3, (our_error, torch_error)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval", "inference"])
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_fully_masked_rows_as_torch(mode, need_weights, batch_first):
+    ref, ours = mha_pair(8, 2, batch_first=batch_first)
+    x = torch.randn((3, 5, 8) if batch_first else (5, 3, 8), dtype=torch.float64)  # N=3, L=5
+    kpm = torch.zeros(3, 5, dtype=torch.bool)
+    kpm[1] = True  # every key of sample 1 is padding
+    attn_mask = torch.zeros(5, 5, dtype=torch.bool)
+    attn_mask[2] = True  # query 2 may attend nothing
+    kwargs = dict(key_padding_mask=kpm, attn_mask=attn_mask, need_weights=need_weights)
+    ref_out, ref_w = run(ref, (x, x, x), kwargs, mode)
+    out, w = run(ours, (x, x, x), kwargs, mode)
+    assert torch.equal(out.isnan(), ref_out.isnan())
+    assert_close(out, ref_out)
+    if need_weights:
+        assert_close(w, ref_w)
+
+
+def test_dropout_in_training_only():
+    ref, ours = mha_pair(16, 4, dropout=0.5)
+    x = torch.randn(6, 2, 16, dtype=torch.float64)
+    ours.eval()
+    ref.eval()
+    assert_close(ours(x, x, x)[0], ref(x, x, x)[0])
+    ours.train()
+    torch.manual_seed(3)
+    a, wa = ours(x, x, x)
+    torch.manual_seed(3)
+    b, wb = ours(x, x, x)
+    assert torch.equal(a, b) and torch.equal(wa, wb), "dropout reproducible under a seed"
+    assert not torch.allclose(a, ours.eval()(x, x, x)[0])
+    # Same random stream as torch's need_weights path: identical dropout masks.
+    ours.train(), ref.train()
+    torch.manual_seed(4)
+    expected = ref(x, x, x, average_attn_weights=False)
+    torch.manual_seed(4)
+    got = ours(x, x, x, average_attn_weights=False)
+    assert_close(got[0], expected[0])
+    assert_close(got[1], expected[1])
+
+
+def test_need_weights_false_uses_sdpa_and_builds_no_weights():
+    ref, ours = mha_pair(8, 2)
+    x = torch.randn(5, 2, 8, dtype=torch.float64)
+    out, weights = ours(x, x, x, need_weights=False, average_attn_weights=False)
+    assert weights is None
+    with torch.profiler.profile() as prof:
+        ours(x, x, x, need_weights=False)
+    names = {e.name for e in prof.events()}
+    assert any("scaled_dot_product" in n for n in names), names
+    assert "aten::softmax" not in names and "aten::_softmax" not in names
+
+
+def test_weights_shapes():
+    _, ours = mha_pair(8, 2)
+    x = torch.randn(5, 3, 8, dtype=torch.float64)
+    assert ours(x, x, x)[1].shape == (3, 5, 5)
+    assert ours(x, x, x, average_attn_weights=False)[1].shape == (3, 2, 5, 5)
+    assert ours(x[:, 0], x[:, 0], x[:, 0])[1].shape == (5, 5)
+    assert ours(x[:, 0], x[:, 0], x[:, 0], average_attn_weights=False)[1].shape == (2, 5, 5)
+
+
+def test_batch_first_output_is_contiguous():
+    _, ours = mha_pair(8, 2, batch_first=True)
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    for mode in ("train", "eval", "inference"):
+        assert run(ours, (x, x, x), {}, mode)[0].is_contiguous()
+
+
+def test_mismatched_mask_dtypes_warn_like_torch():
+    ref, ours = mha_pair(8, 2)
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    kpm = torch.zeros(2, 4, dtype=torch.bool)
+    attn_mask = torch.zeros(4, 4, dtype=torch.float64)
+    for module in (ref, ours):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module(x, x, x, key_padding_mask=kpm, attn_mask=attn_mask)
+        assert any("key_padding_mask" in str(w.message) and "attn_mask" in str(w.message) for w in caught)
+
+
+def test_is_causal_without_mask_is_rejected_like_torch():
+    ref, ours = mha_pair(8, 2)
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    for module in (ref, ours):
+        with pytest.raises(RuntimeError, match="attn_mask"):
+            module(x, x, x, is_causal=True, need_weights=False)
+
+
+def test_is_causal_does_not_read_the_mask_when_it_may_skip_it():
+    """Without weights or padding mask, is_causal=True means causal attention (the mask is a hint)."""
+    ref, ours = mha_pair(8, 2)
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    causal = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    bogus = torch.zeros(4, 4, dtype=torch.bool)
+    expected = ref(x, x, x, attn_mask=causal, need_weights=False)[0]
+    assert_close(ours(x, x, x, attn_mask=bogus, need_weights=False, is_causal=True)[0], expected)
+    assert_close(ref(x, x, x, attn_mask=bogus, need_weights=False, is_causal=True)[0], expected)
+
+
+# ----------------------------------------------------------------------------- bad input
+E = 8
+
+
+def bad_calls():
+    x = torch.randn(4, 2, E)
+    kv = torch.randn(5, 2, E)
+    return {
+        "query rank 4": ((x[None], x[None], x[None]), {}),
+        "query rank 1": ((x[0, 0], x[0, 0], x[0, 0]), {}),
+        "key rank differs": ((x, kv[:, 0], kv), {}),
+        "embedding mismatch": ((torch.randn(4, 2, 6), kv, kv), {}),
+        "key/value length mismatch": ((x, kv, torch.randn(6, 2, E)), {}),
+        "attn_mask 2-D wrong shape": ((x, kv, kv), dict(attn_mask=torch.zeros(4, 4, dtype=torch.bool))),
+        "attn_mask 3-D wrong shape": ((x, kv, kv), dict(attn_mask=torch.zeros(3, 4, 5, dtype=torch.bool))),
+        "attn_mask 4-D": ((x, kv, kv), dict(attn_mask=torch.zeros(1, 4, 4, 5, dtype=torch.bool))),
+        "attn_mask int": ((x, kv, kv), dict(attn_mask=torch.zeros(4, 5, dtype=torch.int64))),
+        "key_padding_mask uint8": ((x, kv, kv), dict(key_padding_mask=torch.zeros(2, 5, dtype=torch.uint8))),
+        "key_padding_mask wrong length": ((x, kv, kv), dict(key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))),
+        "key_padding_mask wrong batch": ((x, kv, kv), dict(key_padding_mask=torch.zeros(3, 5, dtype=torch.bool))),
+        "key_padding_mask rank 3": ((x, kv, kv), dict(key_padding_mask=torch.zeros(2, 5, 1, dtype=torch.bool))),
+        "is_causal without mask": ((x, x, x), dict(is_causal=True)),
+        "dtype mismatch": ((x.double(), x.double(), x.double()), {}),
+        "unbatched 3-D mask wrong heads": ((x[:, 0], x[:, 0], x[:, 0]), dict(attn_mask=torch.zeros(3, 4, 4, dtype=torch.bool))),
+    }
+
+
+@pytest.mark.parametrize("name", list(bad_calls()))
+def test_bad_input_raises_torchs_exception_type(name):
+    ref = torch.nn.MultiheadAttention(E, 2)
+    ours = torchmha.MultiheadAttention(E, 2)
+    args, kwargs = bad_calls()[name]
+    with pytest.raises(Exception) as torch_error:
+        ref(*args, **kwargs)
+    with pytest.raises(type(torch_error.value)) as our_error:
+        ours(*args, **kwargs)
+    message = str(our_error.value)
+    assert len(message) > 20, message
+
+
+def test_bad_input_messages_name_argument_and_shape():
+    ours = torchmha.MultiheadAttention(E, 2)
+    x = torch.randn(4, 2, E)
+    with pytest.raises(AssertionError, match=r"key_padding_mask of shape \(2, 4\).*\[2, 3\]"):
+        ours(x, x, x, key_padding_mask=torch.zeros(2, 3, dtype=torch.bool))
+    with pytest.raises(AssertionError, match=r"embedding size 8.*\[4, 2, 6\]"):
+        ours(torch.randn(4, 2, 6), x, x)
+    with pytest.raises(RuntimeError, match=r"attn_mask is \[4, 3\], but should be \(4, 4\)"):
+        ours(x, x, x, attn_mask=torch.zeros(4, 3))
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(embed_dim=10, num_heads=3), AssertionError),
+    (dict(embed_dim=0, num_heads=1), ValueError),
+    (dict(embed_dim=8, num_heads=-2), ValueError),
+])
+def test_bad_construction_raises_like_torch(kwargs, error):
+    with pytest.raises(error):
+        torch.nn.MultiheadAttention(**kwargs)
+    with pytest.raises(error):
+        torchmha.MultiheadAttention(**kwargs)
+
+
+# ------------------------------------------------------------------ torch's own Transformer
+def transformer_models():
+    kw = dict(dropout=0.0, dim_feedforward=32)
+    return {
+        "encoder": (torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 4, **kw), 2, enable_nested_tensor=False), 1),
+        "decoder": (torch.nn.TransformerDecoder(torch.nn.TransformerDecoderLayer(16, 4, batch_first=True, **kw), 2), 2),
+        "transformer": (torch.nn.Transformer(16, 4, 1, 1, batch_first=True, **kw), 2),
+    }
+
+
+@pytest.mark.parametrize("name", list(transformer_models()))
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_torch_transformers_unchanged_by_swap(name, mode):
+    torch.manual_seed(0)
+    model, n_inputs = transformer_models()[name]
+    model = model.double().train(mode == "train")
+    swapped = copy.deepcopy(model)
+    count = torchmha.replace_multihead_attention(swapped)
+    assert count == sum(isinstance(m, torch.nn.MultiheadAttention) for m in model.modules())
+    assert all(type(m) is not torch.nn.MultiheadAttention for m in swapped.modules())
+    assert swapped.training == model.training
+    batch_first = name != "encoder"
+    src = torch.randn(3, 7, 16, dtype=torch.float64) if batch_first else torch.randn(7, 3, 16, dtype=torch.float64)
+    tgt = torch.randn(3, 5, 16, dtype=torch.float64)
+    inputs = (src,) if n_inputs == 1 else ((tgt, src) if name == "decoder" else (src, tgt))
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(inputs[-1].shape[1] if name == "transformer" else 5, dtype=torch.float64)
+    kwargs = {"tgt_mask": causal, "tgt_is_causal": True} if name != "encoder" else {}
+    expected = model(*inputs, **kwargs)
+    got = swapped(*inputs, **kwargs)
+    assert_close(got, expected)
+    upstream = torch.randn_like(expected)
+    (expected * upstream).sum().backward()
+    (got * upstream).sum().backward()
+    for (pname, a), b in zip(model.named_parameters(), swapped.parameters()):
+        assert_close(b.grad, a.grad, msg=pname)
+
+
+def test_replace_keeps_parameters_and_optimizer():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    model.attn = torch.nn.MultiheadAttention(8, 2)
+    params_before = list(model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert torchmha.replace_multihead_attention(model) == 1
+    assert isinstance(model.attn, torchmha.MultiheadAttention)
+    assert all(a is b for a, b in zip(params_before, model.parameters()))
+    x = torch.randn(4, 2, 8)
+    before = model.attn.in_proj_weight.detach().clone()
+    model.attn(x, x, x)[0].sum().backward()
+    optimizer.step()
+    assert not torch.equal(before, model.attn.in_proj_weight)
+    assert torchmha.replace_multihead_attention(model) == 0, "already swapped"
