@@ -23,7 +23,9 @@ void bind_cpp_modules(py::module_& m) {
   using py::arg;
 
   torch::python::bind_module<MultiheadAttentionV1Impl>(m, "MultiheadAttentionV1")
-      .def(py::init<const MultiheadAttentionV1Options&>(), arg("embed_dim"))
+      .def(
+          py::init([](int64_t embed_dim) { return std::make_shared<MultiheadAttentionV1Impl>(embed_dim); }),
+          arg("embed_dim"))
       .def("forward", &MultiheadAttentionV1Impl::forward, arg("x"));
 
   torch::python::bind_module<MultiheadAttentionV2Impl>(m, "MultiheadAttentionV2")

@@ -1,0 +1,102 @@
+"""The registered ops under torch.compile, opcheck and torch.export."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import torchmha
+from conftest import assert_close, mha_pair
+
+
+class TinyModel(torch.nn.Module):
+    """An attention layer with a projection around it, as a model would use it."""
+
+    def __init__(self, need_weights: bool, batch_first: bool = True):
+        super().__init__()
+        self.attn = torchmha.MultiheadAttention(16, 4, batch_first=batch_first)
+        self.head = torch.nn.Linear(16, 3)
+        self.need_weights = need_weights
+
+    def forward(self, x, key_padding_mask=None):
+        out, weights = self.attn(x, x, x, key_padding_mask=key_padding_mask, need_weights=self.need_weights)
+        y = self.head(out)
+        return y if weights is None else y + weights.sum()
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_compile_fullgraph_matches_eager_forward_and_backward(need_weights):
+    torch.manual_seed(0)
+    model = TinyModel(need_weights)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break fails
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    kpm = torch.zeros(2, 5, dtype=torch.bool)
+    kpm[1, -2:] = True
+    expected = model(x, kpm)
+    got = compiled(x, kpm)
+    assert_close(got, expected, torch.float32)
+    (gx_ref,) = torch.autograd.grad(expected.sum(), [x])
+    (gx,) = torch.autograd.grad(got.sum(), [x])
+    assert_close(gx, gx_ref, torch.float32)
+
+
+def test_compile_inductor_inference():
+    torch.manual_seed(0)
+    model = TinyModel(need_weights=False).eval()
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        assert_close(compiled(x), model(x), torch.float32)
+
+
+def sample_inputs():
+    E = 8
+    q = torch.randn(3, 2, E, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(4, 2, E, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3 * E, E, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3 * E, dtype=torch.float64, requires_grad=True)
+    ow = torch.randn(E, E, dtype=torch.float64, requires_grad=True)
+    ob = torch.randn(E, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(3, 4, dtype=torch.float64)
+    ops = torch.ops.torchmha
+    return [
+        (ops.in_projection_packed.default, (q, q, q, w, b), {}),
+        (ops.in_projection_packed.default, (q, kv, kv, w, None), {}),
+        (ops.in_projection.default, (q, kv, kv, ow, ow, ow, ob, ob, ob), {}),
+        (ops.multi_head_attention_forward.default, (q, kv, kv, E, 2, w, b, None, None, False, 0.0, ow, ob),
+         dict(attn_mask=mask)),
+        # batch_first on transposed (non-contiguous) views: N=2, L=3, S=4
+        (ops.multi_head_attention_forward.default,
+         (q.transpose(0, 1), kv.transpose(0, 1), kv.transpose(0, 1), E, 2, w, b, None, None, True, 0.0, ow, ob),
+         dict(need_weights=False, attn_mask=mask, batch_first=True)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_opcheck(index):
+    op, args, kwargs = sample_inputs()[index]
+    opcheck(op, args, kwargs)
+
+
+def test_export_matches_eager():
+    torch.manual_seed(0)
+    model = TinyModel(need_weights=False)
+    x = torch.randn(2, 5, 16)
+    exported = torch.export.export(model, (x,))
+    assert any("torchmha" in str(node.target) or "scaled_dot_product" in str(node.target) for node in exported.graph.nodes)
+    assert_close(exported.module()(x), model(x), torch.float32)
+
+
+def test_functional_api_matches_torch():
+    ref, ours = mha_pair(8, 2, kdim=3, vdim=5)
+    q = torch.randn(4, 2, 8, dtype=torch.float64)
+    k = torch.randn(6, 2, 3, dtype=torch.float64)
+    v = torch.randn(6, 2, 5, dtype=torch.float64)
+    args = (q, k, v, 8, 2, None, ref.in_proj_bias, None, None, False, 0.0, ref.out_proj.weight, ref.out_proj.bias)
+    kwargs = dict(training=False, use_separate_proj_weight=True, q_proj_weight=ref.q_proj_weight,
+                  k_proj_weight=ref.k_proj_weight, v_proj_weight=ref.v_proj_weight)
+    expected = torch.nn.functional.multi_head_attention_forward(*args, **kwargs)
+    got = torchmha.multi_head_attention_forward(*args, **kwargs)
+    assert_close(got[0], expected[0])
+    assert_close(got[1], expected[1])
+    with pytest.raises(NotImplementedError):
+        torchmha.multi_head_attention_forward(*args, **kwargs, static_k=k)
