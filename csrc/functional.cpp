@@ -188,7 +188,7 @@ std::vector<Tensor> in_projection_packed(
     const Tensor& w,
     const std::optional<Tensor>& b) {
   const int64_t E = q.size(-1);
-  TORCHMHA_CHECK_ARG(
+  TORCH_CHECK(
       k.size(-1) == E && v.size(-1) == E,
       "in_projection_packed: q, k and v must share the embedding size, but got q of shape ",
       q.sizes(), ", k of shape ", k.sizes(), " and v of shape ", v.sizes());
@@ -259,6 +259,11 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
   const Tensor kpm_raw = is_present(key_padding_mask_in) ? *key_padding_mask_in : Tensor();
   const Tensor mask_raw = is_present(attn_mask_in) ? *attn_mask_in : Tensor();
 
+  // Checks run in torch's order, so a call with several faults raises the exception torch raises.
+  // --- masks first, as torch.nn.MultiheadAttention: bool or float only; bool -> additive float.
+  Tensor kpm = canonical_mask(kpm_raw, "key_padding_mask", query_in.scalar_type());
+  Tensor attn_mask = canonical_mask(mask_raw, "attn_mask", query_in.scalar_type());
+
   // --- ranks: batched (3-D) or unbatched (2-D), with matching keys, values and masks.
   const int64_t rank = query_in.dim();
   TORCHMHA_CHECK_ARG(
@@ -294,11 +299,23 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
   Tensor query = batched ? query_in : query_in.unsqueeze(batch_dim);
   Tensor key = batched ? key_in : key_in.unsqueeze(batch_dim);
   Tensor value = batched ? value_in : value_in.unsqueeze(batch_dim);
-  Tensor kpm = (batched || !kpm_raw.defined()) ? kpm_raw : kpm_raw.unsqueeze(0);
+  if (!batched && kpm.defined()) {
+    kpm = kpm.unsqueeze(0);
+  }
 
   const int64_t tgt_len = query.size(seq_dim);
   const int64_t bsz = query.size(batch_dim);
   const int64_t src_len = key.size(seq_dim);
+  // is_causal as torch treats the hint.
+  TORCH_CHECK(
+      !is_causal || attn_mask.defined(),
+      "is_causal=True is a hint that attn_mask is causal and needs attn_mask too; build one with "
+      "torch.nn.Transformer.generate_square_subsequent_mask(L)");
+  if (is_causal && !kpm.defined() && !need_weights) {
+    attn_mask = Tensor();  // SDPA applies causality itself, without reading a mask.
+  } else {
+    is_causal = is_causal && !kpm.defined();  // a merged padding mask is no longer causal
+  }
   TORCHMHA_CHECK_ARG(
       query.size(2) == embed_dim, "was expecting query of embedding size ", embed_dim,
       ", but got query of shape ", query_in.sizes());
@@ -322,46 +339,38 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
   TORCH_CHECK(
       key.size(batch_dim) == bsz, "key and value must have the batch size of query (", bsz,
       "), but got query of shape ", query_in.sizes(), " and key of shape ", key_in.sizes());
-  if (kpm.defined()) {
-    TORCHMHA_CHECK_ARG(
-        kpm.size(0) == bsz && kpm.size(1) == src_len, "expected key_padding_mask of shape ",
-        batched ? c10::str("(", bsz, ", ", src_len, ")") : c10::str("(", src_len, ",)"),
-        " (batch, source length), but got ", kpm_raw.sizes());
-  }
 
-  // --- masks: canonical additive float masks; is_causal as torch treats the hint.
-  kpm = canonical_mask(kpm, "key_padding_mask", query.scalar_type());
-  Tensor attn_mask = canonical_mask(mask_raw, "attn_mask", query.scalar_type());
-  TORCH_CHECK(
-      !is_causal || attn_mask.defined(),
-      "is_causal=True is a hint that attn_mask is causal and needs attn_mask too; build one with "
-      "torch.nn.Transformer.generate_square_subsequent_mask(L)");
-  if (is_causal && !kpm.defined() && !need_weights) {
-    attn_mask = Tensor();  // SDPA applies causality itself, without reading a mask.
-  } else {
-    is_causal = is_causal && !kpm.defined();  // a merged padding mask is no longer causal
-  }
-  if (attn_mask.defined()) {
-    if (attn_mask.dim() == 2) {
-      TORCH_CHECK(
-          attn_mask.size(0) == tgt_len && attn_mask.size(1) == src_len, "the shape of the 2-D attn_mask is ",
-          attn_mask.sizes(), ", but should be (", tgt_len, ", ", src_len, ") (target length, source length)");
-    } else {
-      TORCH_CHECK(
-          attn_mask.size(0) == bsz * num_heads && attn_mask.size(1) == tgt_len &&
-              attn_mask.size(2) == src_len,
-          "the shape of the 3-D attn_mask is ", attn_mask.sizes(), ", but should be (", bsz * num_heads,
-          ", ", tgt_len, ", ", src_len, ") (batch * num_heads, target length, source length)");
+  // Mask shapes, checked after the in-projection as torch does (its errors come first there).
+  auto check_mask_shapes = [&] {
+    if (attn_mask.defined()) {
+      if (attn_mask.dim() == 2) {
+        TORCH_CHECK(
+            attn_mask.size(0) == tgt_len && attn_mask.size(1) == src_len, "the shape of the 2-D attn_mask is ",
+            attn_mask.sizes(), ", but should be (", tgt_len, ", ", src_len, ") (target length, source length)");
+      } else {
+        TORCH_CHECK(
+            attn_mask.size(0) == bsz * num_heads && attn_mask.size(1) == tgt_len &&
+                attn_mask.size(2) == src_len,
+            "the shape of the 3-D attn_mask is ", attn_mask.sizes(), ", but should be (", bsz * num_heads,
+            ", ", tgt_len, ", ", src_len, ") (batch * num_heads, target length, source length)");
+      }
     }
-  }
-  TORCHMHA_CHECK_ARG(
-      is_present(bias_k) == is_present(bias_v), "bias_k and bias_v must be given together, but only ",
-      is_present(bias_k) ? "bias_k" : "bias_v", " was");
+    TORCHMHA_CHECK_ARG(
+        is_present(bias_k) == is_present(bias_v), "bias_k and bias_v must be given together, but only ",
+        is_present(bias_k) ? "bias_k" : "bias_v", " was");
+    if (kpm.defined()) {
+      TORCHMHA_CHECK_ARG(
+          kpm.size(0) == bsz && kpm.size(1) == src_len, "expected key_padding_mask of shape ",
+          batched ? c10::str("(", bsz, ", ", src_len, ")") : c10::str("(", src_len, ",)"),
+          " (batch, source length), but got ", kpm_raw.sizes());
+    }
+  };
 
   if (allow_fast_path &&
       fast_path_applies(
           query_in, key_in, value_in, num_heads, in_proj_weight, in_proj_bias, bias_k, bias_v,
           add_zero_attn, out_proj_weight, out_proj_bias, training, kpm_raw, mask_raw, batch_first)) {
+    check_mask_shapes();
     // Masks merged as torch.nn.MultiheadAttention.merge_masks does: type 1 = padding only
     // (N, S), type 2 = (N, H, L, S).
     std::optional<int64_t> mask_type;
@@ -399,6 +408,7 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
     qkv = project_packed(query, key, value, *in_proj_weight, in_proj_bias, which);
   }
   Tensor q = qkv[0], k = qkv[1], v = qkv[2];
+  check_mask_shapes();
 
   // Masks as 4-D tensors broadcastable to (N, H, L, S): the padding mask stays (N, 1, 1, S),
   // so nothing of size N*H*L*S is built unless a 3-D attn_mask already is that big.
@@ -423,6 +433,10 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
     kpm = kpm.view({bsz, 1, 1, total_src_len});
     attn_mask = attn_mask.defined() ? attn_mask + kpm : kpm;
   }
+  // As torch (baddbmm, SDPA): a float mask is added in the query's dtype, not promoted.
+  TORCH_CHECK(
+      !attn_mask.defined() || attn_mask.scalar_type() == q.scalar_type(), "float masks must have the dtype of query (",
+      q.scalar_type(), "), but the attn_mask and key_padding_mask given combine to ", attn_mask.scalar_type());
 
   q = split_heads(q, num_heads, head_dim, batch_first);
   k = split_heads(k, num_heads, head_dim, batch_first);
