@@ -38,9 +38,15 @@ std::optional<Tensor> narrow_or_none(const std::optional<Tensor>& t, int64_t sta
   return t->narrow(0, start, length);
 }
 
-// Packed in-projection for a known case (the caller may have lost tensor identity, e.g. after
-// adding a batch dimension, so the case is passed in rather than recomputed).
-std::vector<Tensor> project_packed(
+// The packed in-projection as the GEMMs it runs: each output holds `parts` consecutive
+// projections (q|k|v for self-attention; q, then k|v for encoder-decoder; else q, k, v apart).
+// The case is passed in because callers may have lost tensor identity (e.g. by adding a batch dim).
+struct ProjectionGroup {
+  Tensor output;
+  int64_t parts;
+};
+
+std::vector<ProjectionGroup> packed_projection_gemms(
     const Tensor& q,
     const Tensor& k,
     const Tensor& v,
@@ -57,19 +63,17 @@ std::vector<Tensor> project_packed(
       "in_proj_bias must have shape (3 * embed_dim,) = (", 3 * E, ",), but got ", b->sizes());
   switch (which) {
     case PackedCase::kSelfAttention:
-      // One GEMM for all three; chunks are views into its output.
-      return at::linear(q, w, b).chunk(3, -1);
-    case PackedCase::kSharedKeyValue: {
-      auto q_proj = at::linear(q, w.narrow(0, 0, E), narrow_or_none(b, 0, E));
-      auto kv = at::linear(k, w.narrow(0, E, 2 * E), narrow_or_none(b, E, 2 * E)).chunk(2, -1);
-      return {q_proj, kv[0], kv[1]};
-    }
+      return {{at::linear(q, w, b), 3}};
+    case PackedCase::kSharedKeyValue:
+      return {
+          {at::linear(q, w.narrow(0, 0, E), narrow_or_none(b, 0, E)), 1},
+          {at::linear(k, w.narrow(0, E, 2 * E), narrow_or_none(b, E, 2 * E)), 2}};
     case PackedCase::kSeparate:
     default:
       return {
-          at::linear(q, w.narrow(0, 0, E), narrow_or_none(b, 0, E)),
-          at::linear(k, w.narrow(0, E, E), narrow_or_none(b, E, E)),
-          at::linear(v, w.narrow(0, 2 * E, E), narrow_or_none(b, 2 * E, E))};
+          {at::linear(q, w.narrow(0, 0, E), narrow_or_none(b, 0, E)), 1},
+          {at::linear(k, w.narrow(0, E, E), narrow_or_none(b, E, E)), 1},
+          {at::linear(v, w.narrow(0, 2 * E, E), narrow_or_none(b, 2 * E, E)), 1}};
   }
 }
 
@@ -93,21 +97,22 @@ Tensor canonical_mask(const Tensor& mask, const char* name, at::ScalarType targe
   return mask;
 }
 
-// Appends one position along the sequence dimension: `row` (1, 1, E) broadcast over the batch.
-Tensor append_position(const Tensor& x, const Tensor& row, int64_t seq_dim) {
-  auto sizes = x.sizes().vec();
-  sizes[seq_dim] = 1;
-  return at::cat({x, row.expand(sizes)}, seq_dim);
-}
-
 Tensor pad_last_dim(const Tensor& mask) {
   return mask.defined() ? at::constant_pad_nd(mask, {0, 1}, 0) : mask;
 }
 
-// (len, N, E) or (N, len, E) -> (N, H, len, head_dim), as views.
-Tensor split_heads(const Tensor& x, int64_t num_heads, int64_t head_dim, bool batch_first) {
-  auto heads = x.unflatten(-1, {num_heads, head_dim});
-  return batch_first ? heads.permute({0, 2, 1, 3}) : heads.permute({1, 2, 0, 3});
+// (len, N, parts*E) or (N, len, parts*E) -> `parts` tensors (N, H, len, head_dim), contiguous, in
+// one copy: the layout where SDPA and batched matmuls read heads without further copies.
+std::vector<Tensor> to_heads(const Tensor& x, int64_t parts, int64_t num_heads, int64_t head_dim, bool batch_first) {
+  auto split = x.unflatten(-1, {parts, num_heads, head_dim});
+  auto heads = batch_first ? split.permute({2, 0, 3, 1, 4}) : split.permute({2, 1, 3, 0, 4});
+  return heads.contiguous().unbind(0);
+}
+
+// Appends one position to (N, H, len, head_dim) from `row` of shape (1, 1, E) = (1, 1, H * head_dim).
+Tensor append_position(const Tensor& heads, const Tensor& row) {
+  const int64_t N = heads.size(0), H = heads.size(1), head_dim = heads.size(3);
+  return at::cat({heads, row.reshape({1, H, 1, head_dim}).expand({N, H, 1, head_dim})}, 2);
 }
 
 // (N, H, L, head_dim) -> (L, N, E) or (N, L, E), contiguous.
@@ -192,7 +197,13 @@ std::vector<Tensor> in_projection_packed(
       k.size(-1) == E && v.size(-1) == E,
       "in_projection_packed: q, k and v must share the embedding size, but got q of shape ",
       q.sizes(), ", k of shape ", k.sizes(), " and v of shape ", v.sizes());
-  return project_packed(q, k, v, w, b, packed_case(q, k, v));
+  std::vector<Tensor> projections;
+  for (const auto& group : packed_projection_gemms(q, k, v, w, b, packed_case(q, k, v))) {
+    for (auto& part : group.output.chunk(group.parts, -1)) {  // views into the GEMM's output
+      projections.push_back(std::move(part));
+    }
+  }
+  return projections;
 }
 
 std::vector<Tensor> in_projection(
@@ -395,17 +406,27 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
         average_attn_weights, mask_type);
   }
 
-  // --- in-projection (packed by identity, or separate weights).
+  // --- in-projection (packed by identity, or separate weights), straight into (N, H, len, head_dim).
   std::vector<Tensor> qkv;
+  auto add_heads = [&](const Tensor& projected, int64_t parts) {
+    for (auto& t : to_heads(projected, parts, num_heads, head_dim, batch_first)) {
+      qkv.push_back(std::move(t));
+    }
+  };
   if (separate_weights) {
     std::optional<Tensor> b_q, b_k, b_v;
     if (is_present(in_proj_bias)) {
       auto b = in_proj_bias->chunk(3);
       b_q = b[0], b_k = b[1], b_v = b[2];
     }
-    qkv = in_projection(query, key, value, *q_proj_weight, *k_proj_weight, *v_proj_weight, b_q, b_k, b_v);
+    for (const auto& projected :
+         in_projection(query, key, value, *q_proj_weight, *k_proj_weight, *v_proj_weight, b_q, b_k, b_v)) {
+      add_heads(projected, 1);
+    }
   } else {
-    qkv = project_packed(query, key, value, *in_proj_weight, in_proj_bias, which);
+    for (const auto& group : packed_projection_gemms(query, key, value, *in_proj_weight, in_proj_bias, which)) {
+      add_heads(group.output, group.parts);
+    }
   }
   Tensor q = qkv[0], k = qkv[1], v = qkv[2];
   check_mask_shapes();
@@ -417,18 +438,19 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
                                      : attn_mask.view({bsz, num_heads, tgt_len, src_len});
   }
   if (is_present(bias_k)) {
-    k = append_position(k, *bias_k, seq_dim);
-    v = append_position(v, *bias_v, seq_dim);
+    k = append_position(k, *bias_k);
+    v = append_position(v, *bias_v);
     attn_mask = pad_last_dim(attn_mask);
     kpm = pad_last_dim(kpm);
   }
   if (add_zero_attn) {
-    k = append_position(k, at::zeros({1, 1, embed_dim}, k.options()), seq_dim);
-    v = append_position(v, at::zeros({1, 1, embed_dim}, v.options()), seq_dim);
+    auto zeros = at::zeros({1, 1, embed_dim}, k.options());
+    k = append_position(k, zeros);
+    v = append_position(v, zeros);
     attn_mask = pad_last_dim(attn_mask);
     kpm = pad_last_dim(kpm);
   }
-  const int64_t total_src_len = k.size(seq_dim);
+  const int64_t total_src_len = k.size(2);
   if (kpm.defined()) {
     kpm = kpm.view({bsz, 1, 1, total_src_len});
     attn_mask = attn_mask.defined() ? attn_mask + kpm : kpm;
@@ -438,9 +460,6 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
       !attn_mask.defined() || attn_mask.scalar_type() == q.scalar_type(), "float masks must have the dtype of query (",
       q.scalar_type(), "), but the attn_mask and key_padding_mask given combine to ", attn_mask.scalar_type());
 
-  q = split_heads(q, num_heads, head_dim, batch_first);
-  k = split_heads(k, num_heads, head_dim, batch_first);
-  v = split_heads(v, num_heads, head_dim, batch_first);
   const double p = training ? dropout_p : 0.0;
 
   Tensor attn_output, attn_weights;

@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <thread>
+
 namespace {
 
 using torch::Tensor;
@@ -294,6 +296,47 @@ TEST(MultiheadAttention, SameInitialisationAsLibTorchLinearOrder) {
   EXPECT_EQ(a->in_proj_bias.abs().sum().item<double>(), 0.0);
   const double bound = std::sqrt(6.0 / (8 + 24));  // xavier_uniform_ on (3E, E)
   EXPECT_LE(a->in_proj_weight.abs().max().item<double>(), bound);
+}
+
+// Forward from 8 threads on one module (eval: read-only) and forward+backward on separate clones
+// give the serial results exactly; the ThreadSanitizer build (make test-sanitizers) checks for races.
+TEST(Concurrency, ForwardAndBackwardFromEightThreads) {
+  torch::manual_seed(8);
+  torchmha::MultiheadAttention shared(torchmha::MultiheadAttentionOptions(16, 4).batch_first(true));
+  shared->eval();
+  constexpr int kThreads = 8;
+  std::vector<Tensor> inputs, serial_out, serial_grad;
+  std::vector<std::shared_ptr<torchmha::MultiheadAttentionImpl>> clones;
+  for (int i = 0; i < kThreads; ++i) {
+    inputs.push_back(torch::randn({2, 6, 16}));
+    serial_out.push_back(std::get<0>(shared->forward(inputs[i], inputs[i], inputs[i])));
+    clones.push_back(std::dynamic_pointer_cast<torchmha::MultiheadAttentionImpl>(shared->clone()));
+    clones[i]->train();
+  }
+  auto grad_of = [&](torchmha::MultiheadAttentionImpl& module, const Tensor& x) {
+    auto loss = std::get<0>(module.forward(x, x, x, {}, /*need_weights=*/false)).square().sum();
+    return torch::autograd::grad({loss}, {module.in_proj_weight})[0];
+  };
+  for (int i = 0; i < kThreads; ++i) {
+    serial_grad.push_back(grad_of(*clones[i], inputs[i]));
+  }
+  std::vector<Tensor> thread_out(kThreads), thread_grad(kThreads);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      for (int repeat = 0; repeat < 3; ++repeat) {
+        thread_out[i] = std::get<0>(shared->forward(inputs[i], inputs[i], inputs[i]));
+        thread_grad[i] = grad_of(*clones[i], inputs[i]);
+      }
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  for (int i = 0; i < kThreads; ++i) {
+    EXPECT_TRUE(torch::equal(thread_out[i], serial_out[i])) << "thread " << i;
+    EXPECT_TRUE(torch::equal(thread_grad[i], serial_grad[i])) << "thread " << i;
+  }
 }
 
 }  // namespace

@@ -32,8 +32,17 @@ def flatten(result):
     return [result]
 
 
+def torch_fails_on_empty_reshape(expected):
+    """torch cannot reshape some empty (0-element) intermediates ("-1 ... is ambiguous") and raises
+    where the answer is simply empty; torchmha returns the empty result (README, reliability)."""
+    return expected[0] == "error" and "0 elements" in expected[2] and "ambiguous" in expected[2]
+
+
 def assert_same_behaviour(ref_fn, our_fn, context=""):
     expected, got = outcome(ref_fn), outcome(our_fn)
+    if torch_fails_on_empty_reshape(expected) and got[0] == "ok":
+        assert all(t.numel() == 0 for t in flatten(got[1]) if isinstance(t, torch.Tensor)), context
+        return got
     if expected[0] == "error":
         assert got[0] == "error", f"torch raised {expected[1].__name__}: {expected[2]!r} but torchmha returned ({context})"
         assert issubclass(got[1], expected[1]), f"torch raised {expected[1].__name__}, torchmha {got[1].__name__}: {got[2]} ({context})"
