@@ -4,7 +4,7 @@ PYTHON ?= python3
 BUILD_DIR ?= build
 export TORCHMHA_BUILD_DIR := $(abspath $(BUILD_DIR))
 
-.PHONY: deps build demo test test-cpp test-python bench clean
+.PHONY: deps build demo test test-cpp test-python test-package test-distributed bench clean
 
 deps:
 	PYTHON=$(PYTHON) bash scripts/install_deps.sh
@@ -20,10 +20,28 @@ demo: build
 test-cpp: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure
 
-test-python: build
+# The C++ package as a user gets it: install it under build/install, build examples/cpp against
+# that prefix (a project outside this tree), run it. Its checkpoint is checked from Python by
+# tests/python/test_checkpoints_cpp.py, which finds the binary through TORCHMHA_CPP_EXAMPLE.
+INSTALL_PREFIX := $(abspath $(BUILD_DIR))/install
+EXAMPLE_BUILD_DIR := $(abspath $(BUILD_DIR))/example
+export TORCHMHA_CPP_EXAMPLE := $(EXAMPLE_BUILD_DIR)/reverse_sequence
+
+test-package: build
+	cmake --install $(BUILD_DIR) --prefix $(INSTALL_PREFIX)
+	cmake -S examples/cpp -B $(EXAMPLE_BUILD_DIR) \
+	  -DCMAKE_PREFIX_PATH="$(INSTALL_PREFIX);$$($(PYTHON) -c 'import torch;print(torch.utils.cmake_prefix_path)')"
+	cmake --build $(EXAMPLE_BUILD_DIR) -j $$(nproc)
+	cd $(EXAMPLE_BUILD_DIR) && ./reverse_sequence
+
+test-python: build test-package
 	$(PYTHON) -m pytest tests/python
 
-test: test-cpp test-python
+# Only the two-process DDP/FSDP tests (also part of test-python).
+test-distributed: build
+	$(PYTHON) -m pytest tests/python/test_distributed.py
+
+test: test-cpp test-package test-python
 
 bench: build
 	$(PYTHON) benchmarks/run.py --quick

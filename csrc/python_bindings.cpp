@@ -6,6 +6,7 @@
 #include <torchmha/attention_versions.h>
 #include <torchmha/errors.h>
 #include <torchmha/multihead_attention.h>
+#include <torchmha/serialization.h>
 
 #include <torch/extension.h>
 #include <torch/python.h>
@@ -100,6 +101,16 @@ void bind_cpp_modules(py::module_& m) {
           arg("query"), arg("key"), arg("value"), arg("key_padding_mask") = py::none(),
           arg("need_weights") = true, arg("attn_mask") = py::none(), arg("average_attn_weights") = true,
           arg("is_causal") = false);
+
+  // The C++ checkpoint functions, so Python can check what C++ programs write and read.
+  m.def(
+      "save_state_dict",
+      [](const torch::nn::Module& module, const std::string& path) { save_state_dict(module, path); },
+      arg("module"), arg("path"));
+  m.def(
+      "load_state_dict",
+      [](torch::nn::Module& module, const std::string& path) { load_state_dict(module, path); },
+      arg("module"), arg("path"));
 }
 
 }  // namespace

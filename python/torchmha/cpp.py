@@ -16,6 +16,27 @@ MultiheadAttentionV3 = _cpp.MultiheadAttentionV3
 MultiheadAttentionV4 = _cpp.MultiheadAttentionV4
 
 
+
+def _unwrap(module):
+    # The classes above are torch.nn.cpp.ModuleWrapper subclasses; the C++ object is .cpp_module.
+    return getattr(module, "cpp_module", module)
+
+
+def save_state_dict(module, path) -> None:
+    """Runs the C++ ``torchmha::save_state_dict`` on a C++ module of this namespace: writes its
+    parameters and buffers by name in torch.save's format, which ``torch.load(path)`` reads back
+    as a dict for ``load_state_dict`` of torchmha's or torch's Python modules."""
+    _cpp.save_state_dict(_unwrap(module), str(path))
+
+
+def load_state_dict(module, path) -> None:
+    """Runs the C++ ``torchmha::load_state_dict``: loads into a C++ module of this namespace a
+    file written by ``torch.save(dict(python_module.state_dict()), path)`` (a plain dict: LibTorch
+    cannot unpickle the OrderedDict that state_dict() returns) or by save_state_dict.
+    Strict: names and shapes must match (RuntimeError listing the differences)."""
+    _cpp.load_state_dict(_unwrap(module), str(path))
+
+
 def _named_parameters(module) -> dict:
     return dict(module.named_parameters())
 

@@ -52,8 +52,9 @@ struct MultiheadAttentionOptions {
 ///     torchmha::MultiheadAttentionOptions(512, 8).batch_first(true).dropout(0.1));
 /// auto x = torch::randn({4, 100, 512});
 /// auto causal = torch::ones({100, 100}, torch::kBool).triu(1);
-/// auto [y, w] = mha(x, x, x, /*key_padding_mask=*/{}, /*need_weights=*/false, causal,
-///                   /*average_attn_weights=*/true, /*is_causal=*/true);
+/// // forward, not mha(...): ModuleHolder's operator() cannot deduce a braced {} argument.
+/// auto [y, w] = mha->forward(x, x, x, /*key_padding_mask=*/{}, /*need_weights=*/false, causal,
+///                            /*average_attn_weights=*/true, /*is_causal=*/true);
 /// ```
 class MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImpl> {
  public:
