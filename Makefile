@@ -4,7 +4,7 @@ PYTHON ?= python3
 BUILD_DIR ?= build
 export TORCHMHA_BUILD_DIR := $(abspath $(BUILD_DIR))
 
-.PHONY: deps build demo test test-cpp test-python test-package test-distributed bench clean
+.PHONY: deps build demo test test-cpp test-python test-package test-distributed test-sanitizers bench clean
 
 deps:
 	PYTHON=$(PYTHON) bash scripts/install_deps.sh
@@ -41,10 +41,14 @@ test-python: build test-package
 test-distributed: build
 	$(PYTHON) -m pytest tests/python/test_distributed.py
 
-test: test-cpp test-package test-python
+# The C++ library and GoogleTest suite under ASan+UBSan+LSan and under TSan (build-asan/, build-tsan/).
+test-sanitizers: deps
+	PYTHON=$(PYTHON) bash scripts/run_sanitizers.sh
+
+test: test-cpp test-package test-python test-sanitizers
 
 bench: build
 	$(PYTHON) benchmarks/run.py --quick
 
 clean:
-	rm -rf $(BUILD_DIR) python/torchmha/*.so
+	rm -rf $(BUILD_DIR) build-asan build-tsan python/torchmha/*.so
