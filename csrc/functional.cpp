@@ -13,9 +13,48 @@
 #include <limits>
 
 namespace torchmha {
+
+// Shared with csrc/decoding.cpp (declared in functional.h, namespace detail).
+namespace detail {
+
+using at::Tensor;
+
+// bool masks become additive float masks (-inf where true); float masks pass through.
+Tensor canonical_mask(const Tensor& mask, const char* name, at::ScalarType target_dtype) {
+  if (!mask.defined()) {
+    return mask;
+  }
+  TORCHMHA_CHECK_ARG(
+      mask.scalar_type() == at::kBool || at::isFloatingType(mask.scalar_type()),
+      "only bool and floating-point ", name, " are supported, but got ", name, " of dtype ",
+      mask.scalar_type(), " and shape ", mask.sizes());
+  if (mask.scalar_type() == at::kBool) {
+    return at::zeros_like(mask, mask.options().dtype(target_dtype))
+        .masked_fill_(mask, -std::numeric_limits<double>::infinity());
+  }
+  return mask;
+}
+
+// (len, N, E) or (N, len, E) -> (N, H, len, head_dim), as views.
+Tensor split_heads(const Tensor& x, int64_t num_heads, int64_t head_dim, bool batch_first) {
+  auto heads = x.unflatten(-1, {num_heads, head_dim});
+  return batch_first ? heads.permute({0, 2, 1, 3}) : heads.permute({1, 2, 0, 3});
+}
+
+// (N, H, L, head_dim) -> (L, N, E) or (N, L, E), contiguous.
+Tensor merge_heads(const Tensor& x, bool batch_first) {
+  auto merged = batch_first ? x.permute({0, 2, 1, 3}) : x.permute({2, 0, 1, 3});
+  return merged.flatten(-2);  // a copy, as the heads are not adjacent in x
+}
+
+}  // namespace detail
+
 namespace {
 
 using at::Tensor;
+using detail::canonical_mask;
+using detail::merge_heads;
+using detail::split_heads;
 
 // Which of _in_projection_packed's three cases applies; decided by tensor identity.
 enum class PackedCase { kSelfAttention, kSharedKeyValue, kSeparate };
@@ -77,22 +116,6 @@ const char* layout_name(bool batched) {
   return batched ? "batched (3-D)" : "unbatched (2-D)";
 }
 
-// bool masks become additive float masks (-inf where true); float masks pass through.
-Tensor canonical_mask(const Tensor& mask, const char* name, at::ScalarType target_dtype) {
-  if (!mask.defined()) {
-    return mask;
-  }
-  TORCHMHA_CHECK_ARG(
-      mask.scalar_type() == at::kBool || at::isFloatingType(mask.scalar_type()),
-      "only bool and floating-point ", name, " are supported, but got ", name, " of dtype ",
-      mask.scalar_type(), " and shape ", mask.sizes());
-  if (mask.scalar_type() == at::kBool) {
-    return at::zeros_like(mask, mask.options().dtype(target_dtype))
-        .masked_fill_(mask, -std::numeric_limits<double>::infinity());
-  }
-  return mask;
-}
-
 // Appends one position along the sequence dimension: `row` (1, 1, E) broadcast over the batch.
 Tensor append_position(const Tensor& x, const Tensor& row, int64_t seq_dim) {
   auto sizes = x.sizes().vec();
@@ -102,18 +125,6 @@ Tensor append_position(const Tensor& x, const Tensor& row, int64_t seq_dim) {
 
 Tensor pad_last_dim(const Tensor& mask) {
   return mask.defined() ? at::constant_pad_nd(mask, {0, 1}, 0) : mask;
-}
-
-// (len, N, E) or (N, len, E) -> (N, H, len, head_dim), as views.
-Tensor split_heads(const Tensor& x, int64_t num_heads, int64_t head_dim, bool batch_first) {
-  auto heads = x.unflatten(-1, {num_heads, head_dim});
-  return batch_first ? heads.permute({0, 2, 1, 3}) : heads.permute({1, 2, 0, 3});
-}
-
-// (N, H, L, head_dim) -> (L, N, E) or (N, L, E), contiguous.
-Tensor merge_heads(const Tensor& x, bool batch_first) {
-  auto merged = batch_first ? x.permute({0, 2, 1, 3}) : x.permute({2, 0, 1, 3});
-  return merged.flatten(-2);  // a copy, as the heads are not adjacent in x
 }
 
 bool on_fast_path_device(const Tensor& t) {
