@@ -40,6 +40,33 @@ Tensor project_to_heads(
   return detail::split_heads(at::linear(x, w, b), num_heads, head_dim, batch_first);
 }
 
+// Checks shared by both cached attentions: a batched query; keys and values (N, H, S, D) of one
+// shape with query's batch size N; w_q projecting to H * D. `hint` ends the batch-size message.
+void check_query_and_heads(
+    const Tensor& query,
+    const Tensor& keys,
+    const Tensor& values,
+    const Tensor& w_q,
+    bool batch_first,
+    const char* function,
+    const char* keys_name,
+    const char* values_name,
+    const char* hint) {
+  check_batched_input(query, "query", function);
+  TORCHMHA_CHECK_ARG(
+      keys.dim() == 4 && keys.sizes() == values.sizes(), function, ": expected ", keys_name, " and ", values_name,
+      " of the same shape (batch, heads, length, head_dim), but got ", keys_name, " of shape ", keys.sizes(), " and ",
+      values_name, " of shape ", values.sizes());
+  const int64_t batch = query.size(batch_first ? 0 : 1);
+  TORCHMHA_CHECK_ARG(
+      keys.size(0) == batch, function, ": ", keys_name, " and ", values_name, " hold batches of ", keys.size(0),
+      ", but query of shape ", query.sizes(), " has batch size ", batch, hint);
+  const int64_t inner = keys.size(1) * keys.size(3);
+  TORCHMHA_CHECK_ARG(
+      w_q.size(0) == inner, function, ": ", keys_name, " have ", keys.size(1), " heads of size ", keys.size(3),
+      ", so w_q must have ", inner, " rows, but got w_q of shape ", w_q.sizes());
+}
+
 // The one attention computation of this file (scale 1/sqrt(head_dim), as SDPA's default).
 // additive_mask: undefined or float, broadcastable to (N, H, T, S).
 Tensor attend_heads(
@@ -90,20 +117,12 @@ Tensor attention_with_cache(
     double dropout_p,
     bool training,
     bool batch_first) {
-  check_batched_input(query, "query", "attention_with_cache");
-  TORCHMHA_CHECK_ARG(
-      k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-      "expected k_cache and v_cache of the same shape (batch, heads, max_length, head_dim), but got k_cache of shape ",
-      k_cache.sizes(), " and v_cache of shape ", v_cache.sizes());
+  check_query_and_heads(
+      query, k_cache, v_cache, w_q, batch_first, "attention_with_cache", "k_cache", "v_cache",
+      "; reset the cache for the new batch size");
   const int64_t batch = query.size(batch_first ? 0 : 1);
   const int64_t new_len = query.size(batch_first ? 1 : 0);
-  const int64_t num_heads = k_cache.size(1), max_length = k_cache.size(2), head_dim = k_cache.size(3);
-  TORCHMHA_CHECK_ARG(
-      k_cache.size(0) == batch, "the key/value cache holds batches of ", k_cache.size(0), ", but query of shape ",
-      query.sizes(), " has batch size ", batch, "; reset the cache for the new batch size");
-  TORCHMHA_CHECK_ARG(
-      w_q.size(0) == num_heads * head_dim, "the cache has ", num_heads, " heads of size ", head_dim,
-      ", so w_q must have ", num_heads * head_dim, " rows, but got w_q of shape ", w_q.sizes());
+  const int64_t num_heads = k_cache.size(1), max_length = k_cache.size(2);
   TORCH_CHECK_VALUE(
       cache_length >= 0 && cache_length <= max_length, "cache_length must be in [0, ", max_length, "], but got ",
       cache_length);
@@ -169,19 +188,11 @@ Tensor attention_with_static_key_value(
     double dropout_p,
     bool training,
     bool batch_first) {
-  check_batched_input(query, "query", "attention_with_static_key_value");
-  TORCHMHA_CHECK_ARG(
-      keys.dim() == 4 && keys.sizes() == values.sizes(),
-      "expected keys and values of the same shape (batch, heads, source length, head_dim), but got keys of shape ",
-      keys.sizes(), " and values of shape ", values.sizes());
+  check_query_and_heads(
+      query, keys, values, w_q, batch_first, "attention_with_static_key_value", "keys", "values",
+      " (project the context again for this batch)");
   const int64_t batch = query.size(batch_first ? 0 : 1);
-  TORCHMHA_CHECK_ARG(
-      keys.size(0) == batch, "keys and values were projected for batch size ", keys.size(0), ", but query of shape ",
-      query.sizes(), " has batch size ", batch);
   const int64_t num_heads = keys.size(1), src_len = keys.size(2);
-  TORCHMHA_CHECK_ARG(
-      w_q.size(0) == num_heads * keys.size(3), "keys have ", num_heads, " heads of size ", keys.size(3),
-      ", so w_q must have ", num_heads * keys.size(3), " rows, but got w_q of shape ", w_q.sizes());
   auto q = project_to_heads(query, w_q, b_q, num_heads, batch_first, "w_q");
   auto mask = padding_bias(key_padding_mask, batch, src_len, query.scalar_type());
   return attend_heads(q, keys, values, mask, dropout_p, training, w_out, b_out, batch_first);

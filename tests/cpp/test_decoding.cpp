@@ -3,6 +3,8 @@
 
 #include <torchmha/torchmha.h>
 
+#include "test_helpers.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -10,17 +12,8 @@ namespace {
 
 using torch::Tensor;
 
-constexpr double kTol64 = 1e-10;
-
-torch::TensorOptions f64() {
-  return torch::TensorOptions().dtype(torch::kFloat64);
-}
-
-void expect_close(const Tensor& actual, const Tensor& expected, double tol = kTol64) {
-  ASSERT_EQ(actual.sizes(), expected.sizes());
-  const double diff = (actual - expected).abs().max().item<double>();
-  EXPECT_LE(diff, tol) << "max abs difference " << diff;
-}
+using torchmha_test::expect_close;
+using torchmha_test::f64;
 
 Tensor causal_mask(int64_t length) {
   return torch::ones({length, length}, torch::kBool).triu(1);

@@ -119,7 +119,7 @@ def test_full_cache_and_wrong_batch_raise_clearly_and_leave_cache_unchanged():
         with pytest.raises(RuntimeError, match="cache is full: it holds 3 of its 4 positions and cannot take 2 more"):
             ours.forward_with_cache(torch.randn(2, N, E, dtype=torch.float64), cache)
         assert cache.length == 3
-        with pytest.raises(AssertionError, match=r"holds batches of 3, but query of shape \[1, 5, 16\] has batch size 5"):
+        with pytest.raises(AssertionError, match=r"hold batches of 3, but query of shape \[1, 5, 16\] has batch size 5; reset the cache"):
             ours.forward_with_cache(torch.randn(1, 5, E, dtype=torch.float64), cache)
         assert cache.length == 3
         with pytest.raises(AssertionError, match=r"key_padding_mask of shape \(3, 4\)"):
