@@ -43,6 +43,11 @@ def one_cached_step(mha, token, cache, prefix: int) -> torch.Tensor:
     return mha.forward_with_cache(token, cache)
 
 
+def one_recomputed_step(mha, x, causal, prefix: int) -> torch.Tensor:
+    seen = x[:, : prefix + 1]
+    return mha(seen, seen, seen, attn_mask=causal[: prefix + 1, : prefix + 1], is_causal=True, need_weights=False)[0]
+
+
 def measure(stmt: str, min_run_time: float, **env) -> benchmark.Measurement:
     return benchmark.Timer(stmt=stmt, globals=env, num_threads=torch.get_num_threads()).blocked_autorange(
         min_run_time=min_run_time
@@ -53,7 +58,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="256 tokens instead of 1024, shorter timings")
     parser.add_argument("--tokens", type=int, default=None, help="sequence length to decode")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (1 is steadier on a shared machine)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tokens = args.tokens or (256 if args.quick else 1024)
     min_time = 0.5 if args.quick else 2.0
 
@@ -71,11 +79,12 @@ def main() -> None:
         cached = measure("decode(ours, x, cache)", min_time, decode=decode_with_cache, ours=ours, x=x, cache=cache)
         token = x[:, :1]
         short, long = tokens // 8, tokens
-        step = {
-            prefix: measure("step(ours, token, cache, prefix)", min_time, step=one_cached_step, ours=ours,
-                            token=token, cache=cache, prefix=prefix)
-            for prefix in (short, long)
-        }
+        step, torch_step = {}, {}
+        for prefix in (short, long):
+            step[prefix] = measure("step(ours, token, cache, prefix)", min_time, step=one_cached_step, ours=ours,
+                                   token=token, cache=cache, prefix=prefix)
+            torch_step[prefix] = measure("step(ref, x, causal, prefix)", min_time, step=one_recomputed_step, ref=ref,
+                                         x=torch.cat([x, token], 1), causal=torch.nn.Transformer.generate_square_subsequent_mask(tokens + 1, dtype=torch.bool), prefix=prefix)
 
     print(f"Decoding {tokens} tokens one at a time: N={BATCH}, E={EMBED_DIM}, H={NUM_HEADS}, float32, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")
@@ -87,9 +96,11 @@ def main() -> None:
     print(f"| torchmha forward_with_cache + KeyValueCache, {tokens} tokens | {cached.median * 1e3:.1f} ms | "
           f"{len(cached.times)} |")
     print(f"| **speed-up torch-recompute / torchmha-cached** | **{recompute.median / cached.median:.1f}x** | |")
-    for prefix, m in step.items():
-        print(f"| torchmha one cached step at prefix {prefix} | {m.median * 1e6:.0f} us | {len(m.times)} |")
-    print(f"| per-step time ratio prefix {long} / prefix {short} | {step[long].median / step[short].median:.2f} | |")
+    for name, steps in (("torchmha cached", step), ("torch recompute", torch_step)):
+        for prefix, m in steps.items():
+            print(f"| {name}: one step after a prefix of {prefix} | {m.median * 1e3:.3f} ms | {len(m.times)} |")
+        print(f"| {name}: per-step time ratio prefix {long} / prefix {short} | "
+              f"{steps[long].median / steps[short].median:.2f} | |")
 
 
 if __name__ == "__main__":
