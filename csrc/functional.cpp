@@ -13,9 +13,50 @@
 #include <limits>
 
 namespace torchmha {
+
+// Shared with csrc/decoding.cpp (declared in functional.h, namespace detail).
+namespace detail {
+
+using at::Tensor;
+
+// bool masks become additive float masks (-inf where true); float masks pass through.
+Tensor canonical_mask(const Tensor& mask, const char* name, at::ScalarType target_dtype) {
+  if (!mask.defined()) {
+    return mask;
+  }
+  TORCHMHA_CHECK_ARG(
+      mask.scalar_type() == at::kBool || at::isFloatingType(mask.scalar_type()),
+      "only bool and floating-point ", name, " are supported, but got ", name, " of dtype ",
+      mask.scalar_type(), " and shape ", mask.sizes());
+  if (mask.scalar_type() == at::kBool) {
+    return at::zeros_like(mask, mask.options().dtype(target_dtype))
+        .masked_fill_(mask, -std::numeric_limits<double>::infinity());
+  }
+  return mask;
+}
+
+// (len, N, parts*E) or (N, len, parts*E) -> `parts` tensors (N, H, len, head_dim), contiguous, in
+// one copy: the layout where SDPA and batched matmuls read heads without further copies.
+std::vector<Tensor> to_heads(const Tensor& x, int64_t parts, int64_t num_heads, int64_t head_dim, bool batch_first) {
+  auto split = x.unflatten(-1, {parts, num_heads, head_dim});
+  auto heads = batch_first ? split.permute({2, 0, 3, 1, 4}) : split.permute({2, 1, 3, 0, 4});
+  return heads.contiguous().unbind(0);
+}
+
+// (N, H, L, head_dim) -> (L, N, E) or (N, L, E), contiguous.
+Tensor merge_heads(const Tensor& x, bool batch_first) {
+  auto merged = batch_first ? x.permute({0, 2, 1, 3}) : x.permute({2, 0, 1, 3});
+  return merged.flatten(-2);  // a copy, as the heads are not adjacent in x
+}
+
+}  // namespace detail
+
 namespace {
 
 using at::Tensor;
+using detail::canonical_mask;
+using detail::merge_heads;
+using detail::to_heads;
 
 // Which of _in_projection_packed's three cases applies; decided by tensor identity.
 enum class PackedCase { kSelfAttention, kSharedKeyValue, kSeparate };
@@ -81,44 +122,14 @@ const char* layout_name(bool batched) {
   return batched ? "batched (3-D)" : "unbatched (2-D)";
 }
 
-// bool masks become additive float masks (-inf where true); float masks pass through.
-Tensor canonical_mask(const Tensor& mask, const char* name, at::ScalarType target_dtype) {
-  if (!mask.defined()) {
-    return mask;
-  }
-  TORCHMHA_CHECK_ARG(
-      mask.scalar_type() == at::kBool || at::isFloatingType(mask.scalar_type()),
-      "only bool and floating-point ", name, " are supported, but got ", name, " of dtype ",
-      mask.scalar_type(), " and shape ", mask.sizes());
-  if (mask.scalar_type() == at::kBool) {
-    return at::zeros_like(mask, mask.options().dtype(target_dtype))
-        .masked_fill_(mask, -std::numeric_limits<double>::infinity());
-  }
-  return mask;
-}
-
 Tensor pad_last_dim(const Tensor& mask) {
   return mask.defined() ? at::constant_pad_nd(mask, {0, 1}, 0) : mask;
-}
-
-// (len, N, parts*E) or (N, len, parts*E) -> `parts` tensors (N, H, len, head_dim), contiguous, in
-// one copy: the layout where SDPA and batched matmuls read heads without further copies.
-std::vector<Tensor> to_heads(const Tensor& x, int64_t parts, int64_t num_heads, int64_t head_dim, bool batch_first) {
-  auto split = x.unflatten(-1, {parts, num_heads, head_dim});
-  auto heads = batch_first ? split.permute({2, 0, 3, 1, 4}) : split.permute({2, 1, 3, 0, 4});
-  return heads.contiguous().unbind(0);
 }
 
 // Appends one position to (N, H, len, head_dim) from `row` of shape (1, 1, E) = (1, 1, H * head_dim).
 Tensor append_position(const Tensor& heads, const Tensor& row) {
   const int64_t N = heads.size(0), H = heads.size(1), head_dim = heads.size(3);
   return at::cat({heads, row.reshape({1, H, 1, head_dim}).expand({N, H, 1, head_dim})}, 2);
-}
-
-// (N, H, L, head_dim) -> (L, N, E) or (N, L, E), contiguous.
-Tensor merge_heads(const Tensor& x, bool batch_first) {
-  auto merged = batch_first ? x.permute({0, 2, 1, 3}) : x.permute({2, 0, 1, 3});
-  return merged.flatten(-2);  // a copy, as the heads are not adjacent in x
 }
 
 bool on_fast_path_device(const Tensor& t) {

@@ -4,6 +4,7 @@
 // The user-facing Python classes are plain nn.Modules in python/torchmha, not these bindings.
 
 #include <torchmha/attention_versions.h>
+#include <torchmha/decoding.h>
 #include <torchmha/errors.h>
 #include <torchmha/multihead_attention.h>
 #include <torchmha/serialization.h>
@@ -113,6 +114,110 @@ void bind_cpp_modules(py::module_& m) {
       arg("module"), arg("path"));
 }
 
+
+// Decoding (decoding.h): the caches, CrossAttention, TransformerBlock, and MultiheadAttention's
+// cached forward added to the class bound above.
+void bind_decoding(py::module_& m) {
+  using namespace torchmha;
+  using py::arg;
+
+  py::class_<StaticKeyValue>(m, "StaticKeyValue")
+      .def(py::init([](const at::Tensor& keys, const at::Tensor& values) { return StaticKeyValue{keys, values}; }),
+           arg("keys"), arg("values"))
+      .def_readwrite("keys", &StaticKeyValue::keys)
+      .def_readwrite("values", &StaticKeyValue::values);
+
+  py::class_<KeyValueCache>(m, "KeyValueCache")
+      .def(
+          py::init([](int64_t batch_size, int64_t num_heads, int64_t max_length, int64_t head_dim,
+                      std::optional<at::ScalarType> dtype) {
+            return KeyValueCache(
+                batch_size, num_heads, max_length, head_dim, at::TensorOptions().dtype(dtype.value_or(at::kFloat)));
+          }),
+          arg("batch_size"), arg("num_heads"), arg("max_length"), arg("head_dim"), arg("dtype") = py::none())
+      .def_static(
+          "for_module",
+          [](py::object module, int64_t batch_size, int64_t max_length) {
+            // Accepts the torch.nn.cpp.ModuleWrapper users hold as well as the bound class itself.
+            py::object raw = py::hasattr(module, "cpp_module") ? module.attr("cpp_module") : module;
+            return KeyValueCache::for_module(raw.cast<const MultiheadAttentionImpl&>(), batch_size, max_length);
+          },
+          arg("module"), arg("batch_size"), arg("max_length"))
+      .def("reset", py::overload_cast<>(&KeyValueCache::reset))
+      .def("reset", py::overload_cast<int64_t>(&KeyValueCache::reset), arg("batch_size"))
+      .def_property_readonly("keys", &KeyValueCache::keys)
+      .def_property_readonly("values", &KeyValueCache::values)
+      .def_property_readonly("length", &KeyValueCache::length)
+      .def_property_readonly("batch_size", &KeyValueCache::batch_size)
+      .def_property_readonly("max_length", &KeyValueCache::max_length);
+
+  // bind_module puts the bound C++ class in the nested `cpp` submodule (the top-level name is a
+  // torch.nn.cpp.ModuleWrapper that copies its methods), so the methods go on that class.
+  py::object mha = m.attr("cpp").attr("MultiheadAttention");
+  auto mha_method = [&](const char* name, py::cpp_function fn) { py::setattr(mha, name, fn); };
+  mha_method(
+      "forward_with_cache",
+      py::cpp_function(
+          [](MultiheadAttentionImpl& self, const at::Tensor& query, py::object cache,
+             const std::optional<at::Tensor>& key_padding_mask) {
+            const at::Tensor mask = key_padding_mask.value_or(at::Tensor());
+            if (py::isinstance<KeyValueCache>(cache)) {
+              return self.forward_with_cache(query, cache.cast<KeyValueCache&>(), mask);
+            }
+            return self.forward_with_cache(query, cache.cast<const StaticKeyValue&>(), mask);
+          },
+          py::is_method(mha), py::name("forward_with_cache"), arg("query"), arg("cache"),
+          arg("key_padding_mask") = py::none()));
+  mha_method(
+      "project_key_value",
+      py::cpp_function(
+          &MultiheadAttentionImpl::project_key_value, py::is_method(mha), py::name("project_key_value"), arg("key"),
+          arg("value")));
+
+  torch::python::bind_module<CrossAttentionImpl>(m, "CrossAttention")
+      .def(
+          py::init([](int64_t query_dim, std::optional<int64_t> context_dim, int64_t heads, int64_t dim_head,
+                      double dropout) {
+            return std::make_shared<CrossAttentionImpl>(
+                CrossAttentionOptions(query_dim).context_dim(context_dim).heads(heads).dim_head(dim_head).dropout(dropout));
+          }),
+          arg("query_dim"), arg("context_dim") = py::none(), arg("heads") = 8, arg("dim_head") = 64,
+          arg("dropout") = 0.0)
+      .def(
+          "forward",
+          [](CrossAttentionImpl& self, const at::Tensor& x, const std::optional<at::Tensor>& context,
+             const std::optional<at::Tensor>& mask) {
+            return self.forward(x, context.value_or(at::Tensor()), mask.value_or(at::Tensor()));
+          },
+          arg("x"), arg("context") = py::none(), arg("mask") = py::none())
+      .def("project_context", &CrossAttentionImpl::project_context, arg("context"))
+      .def(
+          "forward_with_cache",
+          [](CrossAttentionImpl& self, const at::Tensor& x, const StaticKeyValue& context,
+             const std::optional<at::Tensor>& mask) {
+            return self.forward_with_cache(x, context, mask.value_or(at::Tensor()));
+          },
+          arg("x"), arg("context"), arg("mask") = py::none());
+
+  torch::python::bind_module<TransformerBlockImpl>(m, "TransformerBlock")
+      .def(
+          py::init([](int64_t embed_dim, int64_t num_heads, double dropout, int64_t forward_expansion, bool norm_first) {
+            return std::make_shared<TransformerBlockImpl>(TransformerBlockOptions(embed_dim, num_heads)
+                                                              .dropout(dropout)
+                                                              .forward_expansion(forward_expansion)
+                                                              .norm_first(norm_first));
+          }),
+          arg("embed_dim"), arg("num_heads"), arg("dropout") = 0.0, arg("forward_expansion") = 4,
+          arg("norm_first") = false)
+      .def(
+          "forward",
+          [](TransformerBlockImpl& self, const at::Tensor& x, const std::optional<at::Tensor>& attn_mask,
+             const std::optional<at::Tensor>& key_padding_mask) {
+            return self.forward(x, attn_mask.value_or(at::Tensor()), key_padding_mask.value_or(at::Tensor()));
+          },
+          arg("x"), arg("attn_mask") = py::none(), arg("key_padding_mask") = py::none());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -131,4 +236,5 @@ PYBIND11_MODULE(_C, m) {
 
   auto cpp = m.def_submodule("cpp", "The C++ modules, bound with torch::python::bind_module.");
   bind_cpp_modules(cpp);
+  bind_decoding(cpp);
 }

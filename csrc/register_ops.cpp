@@ -3,6 +3,7 @@
 // load, so TORCH_LIBRARY runs once per process. The kernels are CompositeImplicitAutograd: written
 // in differentiable ATen ops, they get autograd, fake/meta tensors and torch.compile for free.
 
+#include <torchmha/decoding.h>
 #include <torchmha/functional.h>
 
 #include <torch/library.h>
@@ -24,4 +25,20 @@ TORCH_LIBRARY(torchmha, m) {
       "Tensor? v_proj_weight=None, bool average_attn_weights=True, bool is_causal=False, "
       "bool batch_first=False, bool allow_fast_path=False) -> (Tensor, Tensor)",
       TORCH_FN(torchmha::multi_head_attention_forward));
+  // Decoding (decoding.h). attention_with_cache writes the step's keys and values into the
+  // caches in place, which the schema declares (a!)/(b!).
+  m.def(
+      "attention_with_cache(Tensor query, Tensor(a!) k_cache, Tensor(b!) v_cache, int cache_length, "
+      "Tensor w_q, Tensor? b_q, Tensor w_k, Tensor? b_k, Tensor w_v, Tensor? b_v, Tensor w_out, Tensor? b_out, "
+      "Tensor? key_padding_mask=None, float dropout_p=0., bool training=False, bool batch_first=False) -> Tensor",
+      TORCH_FN(torchmha::attention_with_cache));
+  m.def(
+      "project_key_value(Tensor key, Tensor value, int num_heads, Tensor w_k, Tensor? b_k, Tensor w_v, "
+      "Tensor? b_v, bool batch_first=False) -> (Tensor, Tensor)",
+      TORCH_FN(torchmha::project_key_value));
+  m.def(
+      "attention_with_static_key_value(Tensor query, Tensor keys, Tensor values, Tensor w_q, Tensor? b_q, "
+      "Tensor w_out, Tensor? b_out, Tensor? key_padding_mask=None, float dropout_p=0., bool training=False, "
+      "bool batch_first=False) -> Tensor",
+      TORCH_FN(torchmha::attention_with_static_key_value));
 }

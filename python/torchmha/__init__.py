@@ -3,6 +3,8 @@
     import torchmha
     mha = torchmha.MultiheadAttention(512, 8, batch_first=True)   # drop-in for torch.nn's
     torchmha.replace_multihead_attention(model)                    # swap every one in a model
+    cache = torchmha.KeyValueCache.for_module(mha, batch_size=1, max_length=1024)
+    y_t = mha.forward_with_cache(x_t, cache)                        # incremental decoding
 
 The compute is in the C++ extension (torch.ops.torchmha.*); the classes here are ordinary
 torch.nn.Modules that own their parameters and call it.
@@ -12,6 +14,7 @@ import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from . import _C  # noqa: F401  (registers torch.ops.torchmha.*)
 from . import cpp
+from .decoding import CrossAttention, KeyValueCache, StaticKeyValue, TransformerBlock
 from .functional import in_projection, in_projection_packed, multi_head_attention_forward
 from .modules import (
     MultiheadAttention,
@@ -21,18 +24,25 @@ from .modules import (
     MultiheadAttentionV4,
     replace_multihead_attention,
 )
+from .plotting import plot_attention, plot_module_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CrossAttention",
+    "KeyValueCache",
     "MultiheadAttention",
     "MultiheadAttentionV1",
     "MultiheadAttentionV2",
     "MultiheadAttentionV3",
     "MultiheadAttentionV4",
+    "StaticKeyValue",
+    "TransformerBlock",
     "cpp",
     "in_projection",
     "in_projection_packed",
     "multi_head_attention_forward",
+    "plot_attention",
+    "plot_module_attention",
     "replace_multihead_attention",
 ]

@@ -14,6 +14,11 @@ MultiheadAttentionV1 = _cpp.MultiheadAttentionV1
 MultiheadAttentionV2 = _cpp.MultiheadAttentionV2
 MultiheadAttentionV3 = _cpp.MultiheadAttentionV3
 MultiheadAttentionV4 = _cpp.MultiheadAttentionV4
+# Decoding (decoding.h)
+CrossAttention = _cpp.CrossAttention
+TransformerBlock = _cpp.TransformerBlock
+KeyValueCache = _cpp.KeyValueCache
+StaticKeyValue = _cpp.StaticKeyValue
 
 
 

@@ -163,6 +163,21 @@ class MultiheadAttention(nn.MultiheadAttention):
             average_attn_weights, is_causal, self.batch_first, allow_fast_path,
         )
 
+    def forward_with_cache(self, query: Tensor, cache, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """Cached attention for incremental decoding (forward itself is unchanged): ``cache`` a
+        :class:`torchmha.KeyValueCache` for causal self-attention, one step of T new positions at a
+        time, or a :class:`torchmha.StaticKeyValue` from :meth:`project_key_value` for a fixed
+        memory. See :func:`torchmha.decoding.forward_with_cache`."""
+        from .decoding import forward_with_cache  # decoding.py imports this module
+
+        return forward_with_cache(self, query, cache, key_padding_mask)
+
+    def project_key_value(self, key: Tensor, value: Optional[Tensor] = None):
+        """Projects a fixed memory once into a :class:`torchmha.StaticKeyValue` for forward_with_cache."""
+        from .decoding import project_key_value
+
+        return project_key_value(self, key, value)
+
 
 def replace_multihead_attention(model: nn.Module) -> int:
     """Makes every ``torch.nn.MultiheadAttention`` inside ``model`` (and ``model`` itself) a

@@ -4,6 +4,8 @@
 
 #include <torchmha/torchmha.h>
 
+#include "test_helpers.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -13,17 +15,8 @@ namespace {
 
 using torch::Tensor;
 
-constexpr double kTol64 = 1e-10;
-
-torch::TensorOptions f64() {
-  return torch::TensorOptions().dtype(torch::kFloat64);
-}
-
-void expect_close(const Tensor& actual, const Tensor& expected, double tol = kTol64) {
-  ASSERT_EQ(actual.sizes(), expected.sizes());
-  const double diff = (actual - expected).abs().max().item<double>();
-  EXPECT_LE(diff, tol) << "max abs difference " << diff;
-}
+using torchmha_test::expect_close;
+using torchmha_test::f64;
 
 // LibTorch's own module with the same weights as a torchmha one (packed, bias, no extras).
 torch::nn::MultiheadAttention libtorch_copy(torchmha::MultiheadAttention& ours) {

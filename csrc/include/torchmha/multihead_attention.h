@@ -16,6 +16,10 @@
 
 namespace torchmha {
 
+// Decoding caches (decoding.h).
+class KeyValueCache;
+struct StaticKeyValue;
+
 /// Options for MultiheadAttention; the same as torch.nn.MultiheadAttention's constructor.
 struct MultiheadAttentionOptions {
   MultiheadAttentionOptions(int64_t embed_dim, int64_t num_heads)
@@ -71,6 +75,21 @@ class MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImp
       const at::Tensor& attn_mask = {},
       bool average_attn_weights = true,
       bool is_causal = false);
+
+  /// Incremental causal self-attention (decoding.h; defined in decoding.cpp): query (T, N, E)
+  /// or (N, T, E) holds the next T positions; their keys and values are appended to `cache`,
+  /// and each attends to every cached position up to its own. key_padding_mask (N, length + T)
+  /// covers all keys so far. Equals forward() with a causal mask over the whole sequence.
+  /// Needs the packed in-projection, no bias_k/bias_v and no add_zero_attn.
+  at::Tensor forward_with_cache(const at::Tensor& query, KeyValueCache& cache, const at::Tensor& key_padding_mask = {});
+  /// Attention to a fixed memory projected once by project_key_value() (the cross-attention
+  /// cache): equals forward(query, key, value, key_padding_mask) without recomputing k and v.
+  at::Tensor forward_with_cache(
+      const at::Tensor& query,
+      const StaticKeyValue& memory,
+      const at::Tensor& key_padding_mask = {});
+  /// Projects key (S, N, kdim) and value (S, N, vdim) (batch_first: (N, S, *)) into heads once.
+  StaticKeyValue project_key_value(const at::Tensor& key, const at::Tensor& value);
 
   /// Registers every parameter and out_proj, then reset_parameters().
   void reset() override;

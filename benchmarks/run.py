@@ -1,0 +1,629 @@
+"""torchmha benchmark suite: torchmha.MultiheadAttention against torch.nn.MultiheadAttention and a
+plain-torch SDPA implementation of the same math, case by case, each with a target.
+
+    python benchmarks/run.py --quick                  # about a minute on 2 CPU cores
+    python benchmarks/run.py --device cuda            # full run on a GPU
+    python benchmarks/run.py --quick --cases fast_path,train_step
+
+Peers (the same weights everywhere):
+    ours   torchmha.MultiheadAttention (forward runs the C++ op)
+    torch  torch.nn.MultiheadAttention
+    sdpa   the same projections in plain torch around F.scaled_dot_product_attention; it never
+           returns attention weights, so it only runs where need_weights=False
+
+Writes benchmarks/results/<device>.json, <device>.md and the plots <device>_time_vs_len.png and
+<device>_memory_vs_len.png, then prints the Markdown table. Times are medians of
+torch.utils.benchmark blocked_autorange (the best of a few alternating rounds, see measure()).
+The exit code is 0 even when targets miss: this is a report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import operator
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils import benchmark
+from tqdm import tqdm
+
+import torchmha
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+# The long-sequence setting (cases long_seq and seq_series): one sequence, small model, so the
+# L x L attention dominates time and, unless it is never materialised, memory.
+LONG_SEQ_MODEL = {"N": 1, "E": 256, "H": 4}
+LONG_SEQ_TARGET_L = 8192
+LONG_SEQ_MEMORY_LENGTHS = (4096, 8192)  # peak(8192) / peak(4096) ~ 2 means memory is linear in L
+
+Peers = dict[str, Callable[[], object]]  # peer name -> a call that runs it once
+
+
+# --------------------------------------------------------------------------- settings and results
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: str
+    quick: bool
+
+    @property
+    def min_run_time(self) -> float:
+        """Seconds each blocked_autorange measures (after its own warm-up call)."""
+        return 0.2 if self.quick else 1.0
+
+    @property
+    def rounds(self) -> int:
+        """Alternating timing rounds per peer in measure()."""
+        return 2 if self.quick else 3
+
+    @property
+    def series_lengths(self) -> tuple[int, ...]:
+        return (1024, 4096, 8192) if self.quick else (512, 1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True)
+class Target:
+    metric: str  # what is compared, e.g. "ours/torch"
+    op: str  # "<=" or ">="
+    threshold: float
+
+    def holds(self, value: float) -> bool:
+        return {"<=": operator.le, ">=": operator.ge}[self.op](value, self.threshold)
+
+    def __str__(self) -> str:
+        return f"{self.metric} {self.op} {self.threshold:g}"
+
+
+@dataclass
+class Row:
+    case: str
+    setting: str
+    times_ms: dict[str, float] = field(default_factory=dict)  # median ms per peer that ran
+    max_abs_diff: Optional[float] = None  # max |ours - torch| over outputs (and gradients)
+    target: Optional[Target] = None
+    value: Optional[float] = None  # the target's metric as measured; None = skipped
+    notes: str = ""
+    data: dict = field(default_factory=dict)  # case-specific numbers for the JSON and the plots
+
+    @property
+    def ratios(self) -> dict[str, float]:
+        ours = self.times_ms.get("ours")
+        return {f"ours/{peer}": ours / t for peer, t in self.times_ms.items() if peer != "ours" and ours}
+
+    @property
+    def status(self) -> str:
+        if self.target is None:
+            return "-"
+        if self.value is None:
+            return "SKIP"
+        return "PASS" if self.target.holds(self.value) else "MISS"
+
+    def to_json(self) -> dict:
+        result = asdict(self)
+        result.update(target=str(self.target) if self.target else None, ratios=self.ratios, status=self.status)
+        return result
+
+
+def ratio_row(case: str, setting: str, times_ms: dict[str, float], diff: Optional[float], threshold: float,
+              notes: str = "") -> Row:
+    """The common row: target on ours / torch.nn.MultiheadAttention."""
+    target = Target("ours/torch", "<=", threshold)
+    return Row(case, setting, times_ms, diff, target, times_ms["ours"] / times_ms["torch"], notes)
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def median_ms(fn: Callable[[], object], min_run_time: float) -> float:
+    """Median milliseconds per call of fn (already warm). Timer synchronises CUDA itself;
+    num_threads is set because Timer's default is one thread, which is not how modules are used."""
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    one_call = timer.timeit(number=1).median
+    if one_call >= min_run_time:  # a slow call: blocked_autorange would spend one more just sizing its blocks
+        return one_call * 1e3
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+def max_abs_diff(a: object, b: object) -> float:
+    """Largest |a - b| over two results (tensors or tuples of tensors; None entries skipped)."""
+    a_parts = a if isinstance(a, (tuple, list)) else (a,)
+    b_parts = b if isinstance(b, (tuple, list)) else (b,)
+    diffs = [
+        (x.detach().float() - y.detach().float()).abs().max().item()
+        for x, y in zip(a_parts, b_parts)
+        if x is not None and y is not None
+    ]
+    return max(diffs, default=0.0)
+
+
+def measure(peers: Peers, settings: Settings, min_run_time: Optional[float] = None) -> tuple[dict[str, float], float]:
+    """Runs every peer once (warm-up, and the correctness check ours vs torch), then times the peers
+    in alternating rounds and keeps each one's lowest median: on a shared machine a burst of other
+    load then spoils one round of every peer instead of all the samples of one peer."""
+    diff = max_abs_diff(peers["ours"](), peers["torch"]())
+    if "sdpa" in peers:
+        peers["sdpa"]()
+    round_time = (min_run_time or settings.min_run_time) / settings.rounds
+    best = {name: float("inf") for name in peers}
+    for _ in range(settings.rounds):
+        for name, fn in peers.items():
+            best[name] = min(best[name], median_ms(fn, round_time))
+    return best, diff
+
+
+def build_pair(E: int, H: int, *, batch_first: bool, device: str, dtype: torch.dtype = torch.float32,
+               training: bool = False) -> tuple[nn.MultiheadAttention, torchmha.MultiheadAttention]:
+    """torch's module and ours with identical weights, dropout 0, in train or eval mode."""
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(E, H, batch_first=batch_first, device=device, dtype=dtype).train(training)
+    with torch.no_grad():  # torch initialises the biases to zero, which would hide bias bugs
+        ref.in_proj_bias.normal_(std=0.1)
+        ref.out_proj.bias.normal_(std=0.1)
+    ours = torchmha.MultiheadAttention(E, H, batch_first=batch_first, device=device, dtype=dtype).train(training)
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def sdpa_attention(module: nn.MultiheadAttention, x: Tensor) -> Tensor:
+    """module(x, x, x, need_weights=False)[0] written in plain torch: packed in-projection,
+    heads to (N, H, L, hd), F.scaled_dot_product_attention, heads merged, out-projection."""
+    x_nle = x if module.batch_first else x.transpose(0, 1)
+    N, L, E = x_nle.shape
+    H = module.num_heads
+    q, k, v = (
+        F.linear(x_nle, module.in_proj_weight, module.in_proj_bias)
+        .view(N, L, 3, H, E // H)
+        .permute(2, 0, 3, 1, 4)  # (3, N, H, L, hd)
+    )
+    dropout_p = module.dropout if module.training else 0.0
+    heads = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    out = F.linear(heads.transpose(1, 2).reshape(N, L, E), module.out_proj.weight, module.out_proj.bias)
+    return out if module.batch_first else out.transpose(0, 1)
+
+
+def self_attention_peers(ref: nn.MultiheadAttention, ours: nn.MultiheadAttention, x: Tensor, *,
+                         need_weights: bool, no_grad: bool) -> Peers:
+    """One forward of self-attention on x for each peer (sdpa only when weights are not needed)."""
+    peers: Peers = {
+        "ours": lambda: ours(x, x, x, need_weights=need_weights),
+        "torch": lambda: ref(x, x, x, need_weights=need_weights),
+    }
+    if not need_weights:
+        peers["sdpa"] = lambda: sdpa_attention(ref, x)
+    if no_grad:
+        peers = {name: torch.no_grad()(fn) for name, fn in peers.items()}
+    return peers
+
+
+def inference_peers(N: int, L: int, E: int, H: int, *, device: str, dtype: torch.dtype = torch.float32,
+                    batch_first: bool = True, need_weights: bool = False) -> Peers:
+    """Eval mode, torch.no_grad, self-attention on a fresh random (N, L, E) input."""
+    ref, ours = build_pair(E, H, batch_first=batch_first, device=device, dtype=dtype)
+    shape = (N, L, E) if batch_first else (L, N, E)
+    x = torch.randn(shape, device=device, dtype=dtype)
+    return self_attention_peers(ref, ours, x, need_weights=need_weights, no_grad=True)
+
+
+def attention_gflop(N: int, L: int, E: int) -> float:
+    """Forward FLOPs of self-attention: QK^T and PV (4 N L^2 E) plus four E x E projections (8 N L E^2)."""
+    return (4 * N * L**2 * E + 8 * N * L * E**2) / 1e9
+
+
+# --------------------------------------------------------------------------- long-sequence measurements
+
+
+def long_seq_peers(L: int, device: str) -> Peers:
+    m = LONG_SEQ_MODEL
+    return inference_peers(m["N"], L, m["E"], m["H"], device=device, batch_first=False)
+
+
+@functools.lru_cache(maxsize=None)
+def long_seq_times(L: int, settings: Settings) -> tuple[dict[str, float], float]:
+    """Median ms per peer and max |ours - torch| at length L; cached so long_seq and seq_series share it."""
+    return measure(long_seq_peers(L, settings.device), settings)
+
+
+_peak_mib_cache: dict[tuple[str, int, Settings], float] = {}
+
+
+def long_seq_peak_mib(peer: str, lengths: tuple[int, ...], settings: Settings) -> dict[int, float]:
+    """Peak memory one forward of `peer` adds at each length, in MiB. The lengths not measured yet
+    go to one fresh child process (see peak_memory_child), so this process's own allocations and
+    caches never count; results are cached so long_seq and seq_series share them."""
+    missing = [L for L in lengths if (peer, L, settings) not in _peak_mib_cache]
+    if missing:
+        env = dict(os.environ)
+        # A fixed mmap threshold stops glibc from raising it dynamically and keeping freed buffers
+        # in the heap, so the resident size follows the live tensors, also from one length to the next.
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        spec = f"{peer}:{','.join(map(str, missing))}"
+        cmd = [sys.executable, __file__, "--device", settings.device, "--peak-memory-child", spec]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"peak-memory child {spec} failed:\n{done.stderr[-2000:]}")
+        extra_bytes = json.loads(done.stdout.strip().splitlines()[-1])
+        for L in missing:
+            _peak_mib_cache[peer, L, settings] = extra_bytes[str(L)] / 2**20
+    return {L: _peak_mib_cache[peer, L, settings] for L in lengths}
+
+
+def read_proc_status_kb(key: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def peak_extra_bytes(fn: Callable[[], object], device: str) -> int:
+    """Peak memory fn() allocates beyond what is held when it starts."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - baseline
+    try:  # writing 5 to clear_refs resets the high-water mark VmHWM to the current VmRSS
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        baseline_kb = read_proc_status_kb("VmRSS")
+    except OSError:  # no permission (or older kernel): count from the high-water mark so far
+        baseline_kb = read_proc_status_kb("VmHWM")
+    fn()
+    return (read_proc_status_kb("VmHWM") - baseline_kb) * 1024
+
+
+def peak_memory_child(spec: str, device: str) -> None:
+    """Child-process side of long_seq_peak_mib. spec is PEER:L1,L2,...; prints a JSON object
+    {L: bytes} of the peak one forward adds over the module and its input, which are built first."""
+    peer, lengths = spec.split(":")
+    long_seq_peers(64, device)[peer]()  # one-time lazy set-up (thread pool, kernels) is not the forward's
+    result = {}
+    for L in map(int, lengths.split(",")):
+        fn = long_seq_peers(L, device)[peer]
+        result[L] = peak_extra_bytes(fn, device)
+        del fn  # drops this length's module and input before the next baseline
+    print(json.dumps(result))
+
+
+# --------------------------------------------------------------------------- cases
+
+CASES: dict[str, Callable[[Settings], list[Row]]] = {}
+
+
+def case(fn: Callable[[Settings], list[Row]]) -> Callable[[Settings], list[Row]]:
+    """Registers a case under its function name, in definition order."""
+    CASES[fn.__name__] = fn
+    return fn
+
+
+@case
+def small_default(settings: Settings) -> list[Row]:
+    """Overhead-bound default call: tiny input, need_weights=True, autograd on, (L, N, E) layout."""
+    N, L, E, H = 1, 16, 256, 4
+    ref, ours = build_pair(E, H, batch_first=False, device=settings.device)
+    x = torch.randn(L, N, E, device=settings.device)
+    rows = []
+    for mode in ("train", "eval"):
+        for module in (ref, ours):
+            module.train(mode == "train")
+        peers = self_attention_peers(ref, ours, x, need_weights=True, no_grad=False)
+        # Microseconds per call: give the medians more samples, they are cheap.
+        times, diff = measure(peers, settings, min_run_time=2 * settings.min_run_time)
+        rows.append(ratio_row("small_default", f"{mode}, N={N} L={L} E={E} H={H}, need_weights", times, diff, 0.5))
+    return rows
+
+
+@case
+def fast_path(settings: Settings) -> list[Row]:
+    """torch's fused inference path: eval, no_grad, batch_first, self-attention."""
+    N, L, E, H = 8, 128, 512, 8
+    rows = []
+    for need_weights in (True, False):
+        peers = inference_peers(N, L, E, H, device=settings.device, need_weights=need_weights)
+        times, diff = measure(peers, settings)
+        setting = f"eval no_grad, N={N} L={L} E={E} H={H}, need_weights={need_weights}"
+        rows.append(ratio_row("fast_path", setting, times, diff, 0.9))
+    return rows
+
+
+@case
+def train_step(settings: Settings) -> list[Row]:
+    """Forward + backward of output.sum(); the diff covers the output and every gradient."""
+    N, L, E, H = 8, 256, 512, 8
+    ref, ours = build_pair(E, H, batch_first=True, device=settings.device, training=True)
+    x = torch.randn(N, L, E, device=settings.device, requires_grad=True)  # as if from an earlier layer
+    forwards = {
+        "ours": lambda: ours(x, x, x, need_weights=False)[0],
+        "torch": lambda: ref(x, x, x, need_weights=False)[0],
+        "sdpa": lambda: sdpa_attention(ref, x),
+    }
+
+    def step(forward: Callable[[], Tensor], module: nn.Module) -> Callable[[], tuple]:
+        leaves = [x, module.in_proj_weight, module.in_proj_bias, module.out_proj.weight, module.out_proj.bias]
+
+        def run() -> tuple:
+            for t in leaves:
+                t.grad = None
+            out = forward()
+            out.sum().backward()
+            return (out, *(t.grad for t in leaves))
+
+        return run
+
+    peers = {name: step(fwd, ours if name == "ours" else ref) for name, fwd in forwards.items()}
+    times, diff = measure(peers, settings)
+    setting = f"train fwd+bwd, N={N} L={L} E={E} H={H}, need_weights=False"
+    return [ratio_row("train_step", setting, times, diff, 0.95, notes="diff: output and all gradients")]
+
+
+@case
+def long_seq(settings: Settings) -> list[Row]:
+    """One long sequence: time at L=8192, and whether ours' peak memory grows linearly in L."""
+    m, L = LONG_SEQ_MODEL, LONG_SEQ_TARGET_L
+    model = f"N={m['N']} E={m['E']} H={m['H']}"
+    times, diff = long_seq_times(L, settings)
+    time_row = ratio_row("long_seq", f"eval no_grad, L={L} {model}, need_weights=False", times, diff, 1.0)
+
+    short, long = LONG_SEQ_MEMORY_LENGTHS
+    peak_short, peak_long = long_seq_peak_mib("ours", LONG_SEQ_MEMORY_LENGTHS, settings).values()
+    memory_row = Row(
+        "long_seq_memory", f"ours' peak extra memory, L={short} vs {long}, {model}",
+        target=Target(f"peak({long})/peak({short})", "<=", 2.2), value=peak_long / peak_short,
+        notes=f"ours {peak_short:.1f} MiB at L={short}, {peak_long:.1f} MiB at L={long}",
+        data={"peak_mib": {short: peak_short, long: peak_long}},
+    )
+    return [time_row, memory_row]
+
+
+@case
+def bf16_inference(settings: Settings) -> list[Row]:
+    N, L, E, H = 4, 1024, 512, 8
+    peers = inference_peers(N, L, E, H, device=settings.device, dtype=torch.bfloat16)
+    times, diff = measure(peers, settings)
+    setting = f"bfloat16 eval no_grad, N={N} L={L} E={E} H={H}, need_weights=False"
+    return [ratio_row("bf16_inference", setting, times, diff, 1.0)]
+
+
+@case
+def efficiency(settings: Settings) -> list[Row]:
+    """Achieved GFLOP/s of ours against a plain fp32 matmul on the same device, same run."""
+    N, L, E, H = 1, 4096, 512, 8
+    times, diff = measure(inference_peers(N, L, E, H, device=settings.device), settings)
+    size = 2048
+    a, b = (torch.randn(size, size, device=settings.device) for _ in range(2))
+    mm_gflops = 2 * size**3 / 1e9 / (median_ms(lambda: torch.mm(a, b), settings.min_run_time) / 1e3)
+    gflops = {peer: attention_gflop(N, L, E) / (ms / 1e3) for peer, ms in times.items()}
+    notes = ", ".join(f"{peer} {g:.0f}" for peer, g in gflops.items()) + f", torch.mm {mm_gflops:.0f} GFLOP/s"
+    setting = f"eval no_grad, N={N} L={L} E={E} H={H}, need_weights=False"
+    target = Target("ours GFLOP/s / mm GFLOP/s", ">=", 0.5)
+    return [Row("efficiency", setting, times, diff, target, gflops["ours"] / mm_gflops, notes,
+                data={"gflops": gflops, "mm_gflops": mm_gflops})]
+
+
+@case
+def seq_series(settings: Settings) -> list[Row]:
+    """Time and peak memory against L for the plots; rows without targets."""
+    m = LONG_SEQ_MODEL
+    lengths = settings.series_lengths
+    peak_mib = {peer: long_seq_peak_mib(peer, lengths, settings) for peer in ("ours", "torch", "sdpa")}
+    rows = []
+    for L in tqdm(lengths, desc="seq_series lengths", leave=False):
+        times, diff = long_seq_times(L, settings)
+        peaks = {peer: by_length[L] for peer, by_length in peak_mib.items()}
+        notes = "peak MiB: " + ", ".join(f"{peer} {mb:.1f}" for peer, mb in peaks.items())
+        setting = f"L={L} N={m['N']} E={m['E']} H={m['H']}"
+        rows.append(Row("seq_series", setting, times, diff, notes=notes, data={"L": L, "peak_mib": peaks}))
+    return rows
+
+
+def find_cpp_benchmark() -> Optional[Path]:
+    candidates = [os.environ.get("TORCHMHA_BENCH_CPP")]
+    if os.environ.get("TORCHMHA_BUILD_DIR"):  # set by the Makefile
+        candidates.append(os.path.join(os.environ["TORCHMHA_BUILD_DIR"], "bench_cpp"))
+    candidates.append(str(REPO_ROOT / "build" / "bench_cpp"))
+    return next((Path(c) for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
+@case
+def cpp(settings: Settings) -> list[Row]:
+    """benchmarks/bench_cpp.cpp: torchmha's C++ module against LibTorch's torch::nn::MultiheadAttention."""
+    setting = "C++, eval NoGradGuard, N=1 L=1024 E=512 H=8; ours need_weights=False, LibTorch's always builds weights"
+    target = Target("ours/torch", "<=", 0.7)
+    binary = find_cpp_benchmark()
+    if binary is None:
+        return [Row("cpp", setting, target=target,
+                    notes="skipped: no bench_cpp binary (build with -DTORCHMHA_BUILD_BENCHMARKS=ON "
+                          "or set TORCHMHA_BENCH_CPP)")]
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    json_path = RESULTS_DIR / f"{settings.device}_cpp.tmp"
+    repeats = "10" if settings.quick else "50"
+    done = subprocess.run([str(binary), str(json_path), settings.device, repeats], capture_output=True, text=True)
+    if done.returncode != 0:  # e.g. a CPU-only LibTorch asked for cuda: report it, keep the other rows
+        return [Row("cpp", setting, target=target, notes=f"failed: {binary}: {done.stderr.strip()[-300:]}")]
+    result = json.loads(json_path.read_text())
+    json_path.unlink()
+    times = {"ours": result["ours_ms"], "torch": result["libtorch_ms"]}
+    return [Row("cpp", setting, times, result["max_abs_diff"], target, result["ratio"],
+                notes="torch = LibTorch torch::nn::MultiheadAttention")]
+
+
+# --------------------------------------------------------------------------- report
+
+
+def machine_info(device: str) -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO_ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    info = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchmha": torchmha.__version__,
+        "git": commit,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def fmt(value: Optional[float], spec: str = ".3g") -> str:
+    if value is None:
+        return "-"
+    if spec == "ms":  # milliseconds: three significant figures without scientific notation
+        return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.3f}"
+    return format(value, spec)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    columns = ["case", "setting", "ours ms", "torch ms", "sdpa ms", "ours/torch", "ours/sdpa", "max abs diff",
+               "target", "measured", "result", "notes"]
+    lines = ["| " + " | ".join(columns) + " |", "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
+    for row in rows:
+        t, r = row.times_ms, row.ratios
+        cells = [
+            row.case, row.setting, fmt(t.get("ours"), "ms"), fmt(t.get("torch"), "ms"), fmt(t.get("sdpa"), "ms"),
+            fmt(r.get("ours/torch"), ".2f"), fmt(r.get("ours/sdpa"), ".2f"), fmt(row.max_abs_diff, ".1e"),
+            str(row.target or "-"), fmt(row.value, ".3f"), row.status, row.notes,
+        ]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in cells) + " |")
+    return "\n".join(lines)
+
+
+def targets_summary(rows: list[Row]) -> str:
+    checked = [row for row in rows if row.target is not None]
+    held = [row for row in checked if row.status == "PASS"]
+    lines = [f"Targets held: {len(held)} of {len(checked)}"]
+    for row in checked:
+        lines.append(f"- {row.status} {row.case} ({row.setting}): {row.target}, measured {fmt(row.value, '.3f')}")
+    return "\n".join(lines)
+
+
+def plot_series(rows: list[Row], device: str) -> list[Path]:
+    """time_vs_len and memory_vs_len plots from the seq_series rows (none if that case did not run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    series = [row for row in rows if row.case == "seq_series"]
+    if not series:
+        return []
+    lengths = [row.data["L"] for row in series]
+    m = LONG_SEQ_MODEL
+    title = f"{device}: N={m['N']} E={m['E']} H={m['H']}, eval no_grad, need_weights=False"
+    labels = {"ours": "torchmha", "torch": "torch.nn.MultiheadAttention", "sdpa": "plain torch + SDPA"}
+    paths = []
+    for kind, ylabel, values_of in (
+        ("time", "forward time (ms, median)", lambda row: row.times_ms),
+        ("memory", "peak extra memory (MiB)", lambda row: row.data["peak_mib"]),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for peer, label in labels.items():
+            ax.plot(lengths, [values_of(row)[peer] for row in series], marker="o", label=label)
+        # log-log, so quadratic and linear growth show as slopes 2 and 1; plain numbers on the ticks
+        ax.set(xscale="log", yscale="log", xlabel="sequence length L", ylabel=ylabel, title=title)
+        ax.xaxis.set_major_locator(ticker.FixedLocator(lengths))
+        ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1, 2, 5)))
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            axis.set_minor_locator(ticker.NullLocator())
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = RESULTS_DIR / f"{device}_{kind}_vs_len.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter timings and fewer series points")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--cases", help=f"comma-separated subset of: {', '.join(CASES)}")
+    parser.add_argument("--peak-memory-child", help=argparse.SUPPRESS)  # internal: PEER:L1,L2,..
+    args = parser.parse_args()
+
+    if args.peak_memory_child:
+        peak_memory_child(args.peak_memory_child, args.device)
+        return
+
+    selected = args.cases.split(",") if args.cases else list(CASES)
+    unknown = [name for name in selected if name not in CASES]
+    if unknown:
+        parser.error(f"unknown cases {unknown}; choose from {', '.join(CASES)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch.cuda.is_available() is False")
+
+    settings = Settings(device=args.device, quick=args.quick)
+    started = time.perf_counter()
+    rows: list[Row] = []
+    case_seconds = {}  # where the wall time goes, for whoever tunes --quick
+    progress = tqdm(selected, desc="cases", unit="case")
+    for name in progress:
+        progress.set_postfix_str(name)
+        case_started = time.perf_counter()
+        rows.extend(CASES[name](settings))
+        case_seconds[name] = round(time.perf_counter() - case_started, 1)
+    wall_s = time.perf_counter() - started
+
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(rows)
+    summary = targets_summary(rows)
+    info = machine_info(args.device)
+    plots = plot_series(rows, args.device)
+    mode = "--quick" if args.quick else "full"
+    header = (
+        f"# torchmha benchmarks: {args.device} ({mode})\n\n"
+        + "\n".join(f"- {key}: {value}" for key, value in info.items())
+        + f"\n- wall time: {wall_s:.0f} s\n\n"
+        + "Times are medians in ms; ratios are ours / peer (lower is faster). "
+        "max abs diff = max |ours - torch.nn.MultiheadAttention| of the outputs.\n\n"
+    )
+    (RESULTS_DIR / f"{args.device}.md").write_text(header + table + "\n\n" + summary + "\n")
+    report = {
+        "machine": info,
+        "settings": {"device": args.device, "quick": args.quick, "cases": selected,
+                     "min_run_time_s": settings.min_run_time, "series_lengths": list(settings.series_lengths)},
+        "wall_time_s": wall_s,
+        "case_seconds": case_seconds,
+        "rows": [row.to_json() for row in rows],
+        "plots": [str(p.relative_to(REPO_ROOT)) for p in plots],
+    }
+    (RESULTS_DIR / f"{args.device}.json").write_text(json.dumps(report, indent=2) + "\n")
+
+    print("\n" + table + "\n\n" + summary)
+    print(f"\nwall time {wall_s:.0f} s; results in {RESULTS_DIR.relative_to(REPO_ROOT)}/{args.device}.{{json,md}}")
+
+
+if __name__ == "__main__":
+    main()
