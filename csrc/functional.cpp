@@ -159,6 +159,7 @@ bool fast_path_applies(
     bool training,
     const Tensor& key_padding_mask,
     const Tensor& attn_mask,
+    bool need_weights,
     bool batch_first) {
   if (!(query.dim() == 3 && batch_first && !training && query.is_same(key) && key.is_same(value))) {
     return false;
@@ -177,6 +178,11 @@ bool fast_path_applies(
     return false;
   }
   if (query.is_nested() || at::autocast::is_autocast_enabled(query.device().type())) {
+    return false;
+  }
+  // Without weights and masks our SDPA path gives torch's numbers (no fully masked rows can
+  // differ) and is faster than the fused kernel, which does not use flash attention on CPU.
+  if (!need_weights && !key_padding_mask.defined() && !attn_mask.defined()) {
     return false;
   }
   for (const Tensor* t : {&query, &*in_proj_weight, &*in_proj_bias, &out_proj_weight}) {
@@ -391,7 +397,7 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
   if (allow_fast_path &&
       fast_path_applies(
           query_in, key_in, value_in, num_heads, in_proj_weight, in_proj_bias, bias_k, bias_v,
-          add_zero_attn, out_proj_weight, out_proj_bias, training, kpm_raw, mask_raw, batch_first)) {
+          add_zero_attn, out_proj_weight, out_proj_bias, training, kpm_raw, mask_raw, need_weights, batch_first)) {
     check_mask_shapes();
     // Masks merged as torch.nn.MultiheadAttention.merge_masks does: type 1 = padding only
     // (N, S), type 2 = (N, H, L, S).
