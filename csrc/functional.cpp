@@ -482,7 +482,12 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
   Tensor attn_output, attn_weights;
   if (need_weights) {
     // Explicit softmax(q k^T / sqrt(head_dim) + mask): the weights are part of the result.
-    auto scores = at::matmul(q * std::sqrt(1.0 / static_cast<double>(head_dim)), k.transpose(-2, -1));
+    // Heads are contiguous (N, H, len, head_dim), so plain bmm over N*H reads them as views.
+    const int64_t batch_heads = bsz * num_heads;
+    auto scores = at::bmm(
+                      (q * std::sqrt(1.0 / static_cast<double>(head_dim))).reshape({batch_heads, tgt_len, head_dim}),
+                      k.reshape({batch_heads, total_src_len, head_dim}).transpose(1, 2))
+                      .view({bsz, num_heads, tgt_len, total_src_len});
     if (attn_mask.defined()) {
       scores = scores + attn_mask;
     }
@@ -490,7 +495,9 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
     if (p > 0.0) {
       attn_weights = at::dropout(attn_weights, p, /*train=*/true);
     }
-    attn_output = at::matmul(attn_weights, v);
+    attn_output = at::bmm(attn_weights.reshape({batch_heads, tgt_len, total_src_len}),
+                          v.reshape({batch_heads, total_src_len, head_dim}))
+                      .view({bsz, num_heads, tgt_len, head_dim});
     if (average_attn_weights) {
       attn_weights = attn_weights.mean(1);
     }
