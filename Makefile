@@ -18,7 +18,7 @@ demo: build
 	$(PYTHON) examples/demo.py
 
 test-cpp: build
-	ctest --test-dir $(BUILD_DIR) --output-on-failure
+	ctest --test-dir $(BUILD_DIR) --output-on-failure --no-tests=error
 
 # The C++ package as a user gets it: install it under build/install, build examples/cpp against
 # that prefix (a project outside this tree), run it. Its checkpoint is checked from Python by

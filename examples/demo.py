@@ -55,6 +55,15 @@ def main() -> None:
         print(f"{label:<30}{t_ref:>10.3f}{t_ours:>13.3f}{t_ours / t_ref:>8.2f}")
     print("\nratio = torchmha / torch (median of torch.utils.benchmark runs; lower is faster)")
 
+    # One attention map of the swapped model's first layer, causal mask and all.
+    try:
+        first_attention = ours.layers[0].self_attn
+        torchmha.plot_module_attention(first_attention, x[:1, :24], attn_mask=causal[:24, :24],
+                                       title="first layer, causal self-attention", path="attention.png")
+        print("wrote attention.png (average attention weights of the first layer)")
+    except ImportError as missing:  # matplotlib is optional
+        print(f"skipped the attention plot: {missing}")
+
 
 if __name__ == "__main__":
     main()
