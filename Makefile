@@ -4,7 +4,7 @@ PYTHON ?= python3
 BUILD_DIR ?= build
 export TORCHMHA_BUILD_DIR := $(abspath $(BUILD_DIR))
 
-.PHONY: deps build demo test test-cpp test-python test-package test-distributed test-sanitizers bench clean
+.PHONY: deps build demo test test-cpp test-python test-package test-distributed test-sanitizers test-fuzz bench clean
 
 deps:
 	PYTHON=$(PYTHON) bash scripts/install_deps.sh
@@ -45,10 +45,15 @@ test-distributed: build
 test-sanitizers: deps
 	PYTHON=$(PYTHON) bash scripts/run_sanitizers.sh
 
-test: test-cpp test-package test-python test-sanitizers
+# libFuzzer on the C++ entry points for FUZZ_SECONDS (default 60), clang + ASan (build-fuzz/).
+FUZZ_SECONDS ?= 60
+test-fuzz: deps
+	PYTHON=$(PYTHON) FUZZ_SECONDS=$(FUZZ_SECONDS) bash scripts/run_fuzzer.sh
+
+test: test-cpp test-package test-python test-sanitizers test-fuzz
 
 bench: build
 	$(PYTHON) benchmarks/run.py --quick
 
 clean:
-	rm -rf $(BUILD_DIR) build-asan build-tsan python/torchmha/*.so
+	rm -rf $(BUILD_DIR) build-asan build-tsan build-fuzz python/torchmha/*.so

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing torchmha needs, skipping what is already there:
 # PyTorch (the CPU build 2.13.0 unless a torch is installed), the Python test/demo packages,
-# CMake/Ninja/a C++ compiler, and GoogleTest (Debian's libgtest-dev).
+# CMake/Ninja/a C++ compiler, GoogleTest (Debian's libgtest-dev) and clang's libFuzzer.
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
 
@@ -16,6 +16,8 @@ command -v cmake >/dev/null || need_apt+=(cmake)
 command -v ninja >/dev/null || need_apt+=(ninja-build)
 command -v g++ >/dev/null || need_apt+=(g++)
 [ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+# clang with its libFuzzer runtime, for the native fuzzer (make test-fuzz)
+compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null || need_apt+=(clang libclang-rt-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"

@@ -1,0 +1,125 @@
+// libFuzzer target for torchmha's C++ entry points (make test-fuzz). The input bytes choose the
+// shapes, dtypes, options and masks of one call into the functional core and the packed
+// in-projection; a c10::Error (what Python sees as AssertionError, RuntimeError or ValueError) is an
+// accepted answer to bad input. A crash, any other exception, or a sanitizer report is a bug.
+
+#include <torchmha/torchmha.h>
+
+#include <ATen/ATen.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+namespace {
+
+// Reads the fuzzer's bytes as small choices; past the end every choice is 0.
+class Choices {
+ public:
+  Choices(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+  int64_t below(int64_t n) { return pos_ < size_ ? data_[pos_++] % n : 0; }
+  bool flag() { return below(2) == 1; }
+
+ private:
+  const uint8_t* data_;
+  size_t size_;
+  size_t pos_ = 0;
+};
+
+at::Tensor sequence(int64_t rank, int64_t batch, int64_t length, int64_t features, bool batch_first,
+                    at::ScalarType dtype) {
+  auto options = at::TensorOptions().dtype(dtype);
+  switch (rank) {
+    case 2: return at::randn({length, features}, options);
+    case 3: return batch_first ? at::randn({batch, length, features}, options) : at::randn({length, batch, features}, options);
+    case 4: return at::randn({1, length, batch, features}, options);
+    default: return at::randn({features}, options);
+  }
+}
+
+// None, a bool or float mask of `shape`, an integer mask, or one of a wrong shape.
+std::optional<at::Tensor> mask(Choices& c, std::vector<int64_t> shape, at::ScalarType dtype) {
+  switch (c.below(6)) {
+    case 1: return at::rand(shape) > 0.5;
+    case 2: return at::randn(shape, at::TensorOptions().dtype(dtype));
+    case 3: return at::zeros(shape, at::kLong);
+    case 4:
+      shape.push_back(1);
+      return at::zeros(shape, at::kBool);
+    case 5:
+      if (!shape.empty()) shape.back() += 1;
+      return at::zeros(shape, at::kBool);
+    default: return std::nullopt;
+  }
+}
+
+void fuzz_one_call(Choices& c) {
+  const int64_t heads = 1 + c.below(4);
+  const int64_t embed = heads * (1 + c.below(4)) + (c.below(8) == 0 ? 1 : 0);  // sometimes not divisible
+  const int64_t N = c.below(4), L = c.below(5), S = c.below(5);
+  const int64_t rank = 1 + c.below(4);
+  const bool batch_first = c.flag(), separate = c.flag(), bias = c.flag();
+  const at::ScalarType dtype = c.below(4) == 0 ? at::kDouble : at::kFloat;
+  const at::ScalarType weight_dtype = c.below(8) == 0 ? at::kDouble : at::kFloat;
+  const int64_t kdim = separate ? 1 + c.below(6) : embed, vdim = separate ? 1 + c.below(6) : embed;
+  const int64_t q_features = embed + (c.below(8) == 0 ? 1 : 0);
+  const int64_t v_length = S + (c.below(8) == 0 ? 1 : 0);
+
+  auto query = sequence(rank, N, L, q_features, batch_first, dtype);
+  // Self-attention shares one tensor, encoder-decoder shares key and value: identity matters.
+  const int64_t sharing = separate ? 2 : c.below(3);
+  auto key = sharing == 0 ? query : sequence(rank, N, S, kdim, batch_first, dtype);
+  auto value = sharing == 2 ? sequence(rank, N, v_length, vdim, batch_first, dtype) : key;
+
+  auto w = at::TensorOptions().dtype(weight_dtype);
+  std::optional<at::Tensor> in_proj_weight, q_w, k_w, v_w, in_proj_bias, bias_k, bias_v;
+  if (separate) {
+    q_w = at::randn({embed, embed}, w), k_w = at::randn({embed, kdim}, w), v_w = at::randn({embed, vdim}, w);
+  } else {
+    in_proj_weight = at::randn({3 * embed, embed}, w);
+  }
+  if (bias) {
+    in_proj_bias = at::randn({3 * embed}, w);
+  }
+  if (c.flag()) {
+    bias_k = at::randn({1, 1, embed}, w);
+    bias_v = at::randn({1, 1, embed}, w);
+  }
+  const bool batched = rank == 3;
+  auto kpm = mask(c, batched ? std::vector<int64_t>{N, S} : std::vector<int64_t>{S}, dtype);
+  auto attn_mask = c.flag() ? mask(c, {N * heads, L, S}, dtype) : mask(c, {L, S}, dtype);
+  const bool add_zero_attn = c.flag(), training = c.flag(), need_weights = c.flag(), average = c.flag();
+  const bool is_causal = c.flag(), fast_path = c.flag();
+  const double dropout = c.below(4) == 0 ? 0.5 : 0.0;
+
+  at::NoGradGuard inference;  // as in serving; also makes the fused fast path reachable
+  torchmha::multi_head_attention_forward(
+      query, key, value, embed, heads, in_proj_weight, in_proj_bias, bias_k, bias_v, add_zero_attn, dropout,
+      at::randn({embed, embed}, w), bias ? std::optional<at::Tensor>(at::randn({embed}, w)) : std::nullopt, training,
+      kpm, need_weights, attn_mask, q_w, k_w, v_w, average, is_causal, batch_first, fast_path);
+}
+
+void fuzz_packed_projection(Choices& c) {
+  const int64_t E = c.below(6);
+  auto q = at::randn({c.below(4), E});
+  auto k = c.flag() ? q : at::randn({c.below(4), E + c.below(2)});
+  auto v = c.flag() ? k : at::randn({c.below(4), E});
+  auto w = at::randn({3 * E + c.below(2), E + c.below(2)});
+  torchmha::in_projection_packed(q, k, v, w, c.flag() ? std::optional<at::Tensor>(at::randn({3 * E})) : std::nullopt);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  Choices choices(data, size);
+  try {
+    if (choices.below(4) == 0) {
+      fuzz_packed_projection(choices);
+    } else {
+      fuzz_one_call(choices);
+    }
+  } catch (const c10::Error&) {
+    // Rejected bad input with torchmha's or ATen's error: the expected outcome.
+  }
+  return 0;
+}
