@@ -1,7 +1,7 @@
 """torchmha benchmark suite: torchmha.MultiheadAttention against torch.nn.MultiheadAttention and a
 plain-torch SDPA implementation of the same math, case by case, each with a target.
 
-    python benchmarks/run.py --quick                  # about a minute on 2 CPU cores
+    python benchmarks/run.py --quick                  # 50-80 s on 2 CPU cores
     python benchmarks/run.py --device cuda            # full run on a GPU
     python benchmarks/run.py --quick --cases fast_path,train_step
 
@@ -62,13 +62,13 @@ class Settings:
 
     @property
     def min_run_time(self) -> float:
-        """Seconds each blocked_autorange measures (after its own warm-up call)."""
-        return 0.2 if self.quick else 1.0
+        """Seconds of timing per peer in measure(), split over the rounds."""
+        return 0.5 if self.quick else 2.0
 
     @property
     def rounds(self) -> int:
         """Alternating timing rounds per peer in measure()."""
-        return 2 if self.quick else 3
+        return 3 if self.quick else 5
 
     @property
     def series_lengths(self) -> tuple[int, ...]:
@@ -485,6 +485,8 @@ def machine_info(device: str) -> dict:
         "torch": torch.__version__,
         "torchmha": torchmha.__version__,
         "git": commit,
+        # Other work on the machine skews every timing; the load average shows how much there was.
+        "load_average_1_5_15min": [round(load, 2) for load in os.getloadavg()],
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
     }
     if device == "cuda":
@@ -517,16 +519,19 @@ def markdown_table(rows: list[Row]) -> str:
 
 
 def targets_summary(rows: list[Row]) -> str:
-    checked = [row for row in rows if row.target is not None]
-    held = [row for row in checked if row.status == "PASS"]
-    lines = [f"Targets held: {len(held)} of {len(checked)}"]
-    for row in checked:
+    with_target = [row for row in rows if row.target is not None]
+    measured = [row for row in with_target if row.status != "SKIP"]
+    held = [row for row in measured if row.status == "PASS"]
+    skipped = len(with_target) - len(measured)
+    lines = [f"Targets held: {len(held)} of {len(measured)}" + (f" ({skipped} skipped)" if skipped else "")]
+    for row in with_target:
         lines.append(f"- {row.status} {row.case} ({row.setting}): {row.target}, measured {fmt(row.value, '.3f')}")
     return "\n".join(lines)
 
 
-def plot_series(rows: list[Row], device: str) -> list[Path]:
-    """time_vs_len and memory_vs_len plots from the seq_series rows (none if that case did not run)."""
+def plot_series(rows: list[Row], device: str, stem: str) -> list[Path]:
+    """<stem>_time_vs_len.png and <stem>_memory_vs_len.png from the seq_series rows (none if that
+    case did not run)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -558,11 +563,42 @@ def plot_series(rows: list[Row], device: str) -> list[Path]:
         ax.grid(True, alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        path = RESULTS_DIR / f"{device}_{kind}_vs_len.png"
+        path = RESULTS_DIR / f"{stem}_{kind}_vs_len.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def write_report(rows: list[Row], info: dict, settings: Settings, cases: list[str], wall_s: float,
+                 case_seconds: dict[str, float]) -> str:
+    """Writes <device>.md, <device>.json and the plots; returns the table and the targets summary.
+    A --cases subset writes <device>_partial.* instead, so it never overwrites a whole run's report."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    device = settings.device
+    stem = device if cases == list(CASES) else f"{device}_partial"
+    table_and_summary = markdown_table(rows) + "\n\n" + targets_summary(rows)
+    plots = plot_series(rows, device, stem)
+    header = (
+        f"# torchmha benchmarks: {device} ({'--quick' if settings.quick else 'full'})\n\n"
+        + "\n".join(f"- {key}: {value}" for key, value in info.items())
+        + f"\n- wall time: {wall_s:.0f} s\n\n"
+        "Times are medians in ms; ratios are ours / peer (lower is faster). "
+        "max abs diff = max |ours - torch.nn.MultiheadAttention| of the outputs.\n\n"
+    )
+    images = "".join(f"\n![{p.stem}]({p.name})\n" for p in plots)
+    (RESULTS_DIR / f"{stem}.md").write_text(header + table_and_summary + "\n" + images)
+    report = {
+        "machine": info,
+        "settings": {"device": device, "quick": settings.quick, "cases": cases, "rounds": settings.rounds,
+                     "min_run_time_s": settings.min_run_time, "series_lengths": list(settings.series_lengths)},
+        "wall_time_s": wall_s,
+        "case_seconds": case_seconds,
+        "rows": [row.to_json() for row in rows],
+        "plots": [str(p.relative_to(REPO_ROOT)) for p in plots],
+    }
+    (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    return table_and_summary
 
 
 def main() -> None:
@@ -585,6 +621,7 @@ def main() -> None:
         parser.error("--device cuda, but torch.cuda.is_available() is False")
 
     settings = Settings(device=args.device, quick=args.quick)
+    info = machine_info(args.device)  # before the cases, so the load average is other work's, not ours
     started = time.perf_counter()
     rows: list[Row] = []
     case_seconds = {}  # where the wall time goes, for whoever tunes --quick
@@ -596,34 +633,8 @@ def main() -> None:
         case_seconds[name] = round(time.perf_counter() - case_started, 1)
     wall_s = time.perf_counter() - started
 
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(rows)
-    summary = targets_summary(rows)
-    info = machine_info(args.device)
-    plots = plot_series(rows, args.device)
-    mode = "--quick" if args.quick else "full"
-    header = (
-        f"# torchmha benchmarks: {args.device} ({mode})\n\n"
-        + "\n".join(f"- {key}: {value}" for key, value in info.items())
-        + f"\n- wall time: {wall_s:.0f} s\n\n"
-        + "Times are medians in ms; ratios are ours / peer (lower is faster). "
-        "max abs diff = max |ours - torch.nn.MultiheadAttention| of the outputs.\n\n"
-    )
-    (RESULTS_DIR / f"{args.device}.md").write_text(header + table + "\n\n" + summary + "\n")
-    report = {
-        "machine": info,
-        "settings": {"device": args.device, "quick": args.quick, "cases": selected,
-                     "min_run_time_s": settings.min_run_time, "series_lengths": list(settings.series_lengths)},
-        "wall_time_s": wall_s,
-        "case_seconds": case_seconds,
-        "rows": [row.to_json() for row in rows],
-        "plots": [str(p.relative_to(REPO_ROOT)) for p in plots],
-    }
-    (RESULTS_DIR / f"{args.device}.json").write_text(json.dumps(report, indent=2) + "\n")
-
-    print("\n" + table + "\n\n" + summary)
-    print(f"\nwall time {wall_s:.0f} s; results in {RESULTS_DIR.relative_to(REPO_ROOT)}/{args.device}.{{json,md}}")
-
+    print("\n" + write_report(rows, info, settings, selected, wall_s, case_seconds))
+    print(f"\nwall time {wall_s:.0f} s; results in {RESULTS_DIR.relative_to(REPO_ROOT)}/")
 
 if __name__ == "__main__":
     main()

@@ -88,8 +88,8 @@ namespace detail {
 /// Bool masks (true = not allowed) become additive float masks of `target_dtype` (-inf where
 /// true); float masks pass through; other dtypes throw ArgumentError naming `name`.
 at::Tensor canonical_mask(const at::Tensor& mask, const char* name, at::ScalarType target_dtype);
-/// (len, N, parts*E) or, with batch_first, (N, len, parts*E) -> `parts` contiguous tensors
-/// (N, H, len, head_dim), in one copy.
+/// (len, N, parts*E) or, with batch_first, (N, len, parts*E) -> `parts` tensors
+/// (N, H, len, head_dim), as strided views (no copy).
 std::vector<at::Tensor> to_heads(
     const at::Tensor& x, int64_t parts, int64_t num_heads, int64_t head_dim, bool batch_first);
 /// (N, H, len, head_dim) -> (len, N, H * head_dim) or, with batch_first, (N, len, H * head_dim).
