@@ -54,6 +54,7 @@ test: test-cpp test-package test-python test-sanitizers test-fuzz
 
 bench: build
 	$(PYTHON) benchmarks/run.py --quick
+	$(PYTHON) benchmarks/bench_decoding.py --quick --threads 1
 
 clean:
 	rm -rf $(BUILD_DIR) build-asan build-tsan build-fuzz python/torchmha/*.so
