@@ -340,9 +340,10 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
       !is_causal || attn_mask.defined(),
       "is_causal=True is a hint that attn_mask is causal and needs attn_mask too; build one with "
       "torch.nn.Transformer.generate_square_subsequent_mask(L)");
-  if (is_causal && !kpm.defined() && !need_weights) {
-    attn_mask = Tensor();  // SDPA applies causality itself, without reading a mask.
-  } else {
+  // Without a padding mask or weights, SDPA applies causality itself and the slow path never reads
+  // the mask (torch does not even check its shape); the fused fast path still uses it.
+  const bool causal_replaces_mask = is_causal && !kpm.defined() && !need_weights;
+  if (!causal_replaces_mask) {
     is_causal = is_causal && !kpm.defined();  // a merged padding mask is no longer causal
   }
   TORCHMHA_CHECK_ARG(
@@ -370,8 +371,8 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
       "), but got query of shape ", query_in.sizes(), " and key of shape ", key_in.sizes());
 
   // Mask shapes, checked after the in-projection as torch does (its errors come first there).
-  auto check_mask_shapes = [&] {
-    if (attn_mask.defined()) {
+  auto check_mask_shapes = [&](bool attn_mask_is_read) {
+    if (attn_mask.defined() && attn_mask_is_read) {
       if (attn_mask.dim() == 2) {
         TORCH_CHECK(
             attn_mask.size(0) == tgt_len && attn_mask.size(1) == src_len, "the shape of the 2-D attn_mask is ",
@@ -399,7 +400,7 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
       fast_path_applies(
           query_in, key_in, value_in, num_heads, in_proj_weight, in_proj_bias, bias_k, bias_v,
           add_zero_attn, out_proj_weight, out_proj_bias, training, kpm_raw, mask_raw, need_weights, batch_first)) {
-    check_mask_shapes();
+    check_mask_shapes(/*attn_mask_is_read=*/true);
     // Masks merged as torch.nn.MultiheadAttention.merge_masks does: type 1 = padding only
     // (N, S), type 2 = (N, H, L, S).
     std::optional<int64_t> mask_type;
@@ -447,7 +448,10 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
     }
   }
   Tensor q = qkv[0], k = qkv[1], v = qkv[2];
-  check_mask_shapes();
+  check_mask_shapes(/*attn_mask_is_read=*/!causal_replaces_mask);
+  if (causal_replaces_mask) {
+    attn_mask = Tensor();
+  }
 
   // Masks as 4-D tensors broadcastable to (N, H, L, S): the padding mask stays (N, 1, 1, S),
   // so nothing of size N*H*L*S is built unless a 3-D attn_mask already is that big.

@@ -325,6 +325,22 @@ def test_is_causal_does_not_read_the_mask_when_it_may_skip_it():
     assert_close(ref(x, x, x, attn_mask=bogus, need_weights=False, is_causal=True)[0], expected)
 
 
+@pytest.mark.parametrize("mode", ["train", "eval", "inference"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_is_causal_hint_in_every_mode(mode, batch_first):
+    """is_causal with its mask, no padding mask and no weights: in inference with batch_first torch
+    takes its fused path, which reads the mask; elsewhere SDPA applies causality. Same numbers."""
+    ref, ours = mha_pair(8, 2, batch_first=batch_first)
+    x = torch.randn(3, 5, 8, dtype=torch.float64)  # N=3, L=5 or L=3, N=5
+    L = x.shape[1] if batch_first else x.shape[0]
+    causal = torch.ones(L, L, dtype=torch.bool).triu(1)
+    kwargs = dict(attn_mask=causal, is_causal=True, need_weights=False)
+    expected = run(ref, (x, x, x), kwargs, mode)[0]
+    assert_close(run(ours, (x, x, x), kwargs, mode)[0], expected)
+    noncausal = run(ref, (x, x, x), dict(need_weights=False), mode)[0]
+    assert not torch.allclose(expected, noncausal), "the mask must matter in this test"
+
+
 # ----------------------------------------------------------------------------- bad input
 E = 8
 
