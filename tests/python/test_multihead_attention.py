@@ -208,6 +208,26 @@ def test_randomized_parity_float32(case):
     check_case(*case, torch.float32)
 
 
+@st.composite
+def fast_path_cases(draw):
+    """Calls that meet torch's fused-path conditions (inference, batch_first, self-attention, even
+    heads, biases, no bias_kv / zero_attn), with every mask and flag combination on top."""
+    num_heads = draw(st.sampled_from([2, 4]))
+    config = dict(embed_dim=num_heads * draw(st.sampled_from([1, 2, 3, 8])), num_heads=num_heads, bias=True,
+                  add_bias_kv=False, add_zero_attn=False, batch_first=True)
+    call = dict(batched=True, N=draw(st.integers(1, 3)), L=draw(st.integers(1, 6)), S=0, attention="self",
+                kpm=draw(st.sampled_from([None, "bool"])), attn_mask=draw(st.sampled_from([None, "bool", "bool3d"])),
+                need_weights=draw(st.booleans()), average_attn_weights=draw(st.booleans()),
+                is_causal=draw(st.booleans()), mode="inference")
+    call["S"] = call["L"]
+    return config, call
+
+
+@given(fast_path_cases())
+def test_randomized_parity_on_torchs_fast_path(case):
+    check_case(*case, torch.float32)
+
+
 @pytest.mark.parametrize("batch_first", [False, True])
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_bfloat16_error_within_torchs_own(batch_first, need_weights):
