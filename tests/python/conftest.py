@@ -11,7 +11,7 @@ import torchmha
 # Hypothesis budgets: "ci" keeps the whole suite within minutes on 2 cores; TORCHMHA_HYPOTHESIS=long
 # runs many more examples.
 settings.register_profile(
-    "ci", max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    "ci", max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile("long", max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("TORCHMHA_HYPOTHESIS", "ci"))
