@@ -100,3 +100,29 @@ def test_functional_api_matches_torch():
     assert_close(got[1], expected[1])
     with pytest.raises(NotImplementedError):
         torchmha.multi_head_attention_forward(*args, **kwargs, static_k=k)
+
+
+def decoding_samples():
+    """The decoding ops: key/value projection, attention over a static context, and a cached step
+    (which writes into its caches in place, as its schema declares)."""
+    N, H, D, E, max_len = 2, 2, 4, 8, 6
+    f64 = dict(dtype=torch.float64)
+    w = [torch.randn(E, E, **f64, requires_grad=True) for _ in range(4)]
+    b = [torch.randn(E, **f64, requires_grad=True) for _ in range(4)]
+    query = torch.randn(1, N, E, **f64, requires_grad=True)
+    context = torch.randn(5, N, E, **f64)
+    keys, values = torch.randn(N, H, 5, D, **f64), torch.randn(N, H, 5, D, **f64)
+    ops = torch.ops.torchmha
+    return [
+        (ops.project_key_value.default, (context, context, H, w[1], b[1], w[2], b[2]), {}),
+        (ops.attention_with_static_key_value.default, (query, keys, values, w[0], b[0], w[3], b[3]), {}),
+        (ops.attention_with_cache.default,
+         (query.detach(), torch.zeros(N, H, max_len, D, **f64), torch.zeros(N, H, max_len, D, **f64), 2,
+          *(t.detach() for t in (w[0], b[0], w[1], b[1], w[2], b[2], w[3], b[3]))), {}),
+    ]
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_opcheck_decoding_ops(index):
+    op, args, kwargs = decoding_samples()[index]
+    opcheck(op, args, kwargs)
