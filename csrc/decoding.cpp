@@ -15,9 +15,7 @@ namespace {
 
 using at::Tensor;
 
-std::optional<Tensor> present_or_none(const Tensor& t) {
-  return t.defined() ? std::optional<Tensor>(t) : std::nullopt;
-}
+using detail::optional_if_defined;
 
 void check_batched_input(const Tensor& x, const char* name, const char* function) {
   TORCHMHA_CHECK_ARG(
@@ -81,7 +79,7 @@ Tensor attend_heads(
     bool batch_first) {
   TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p <= 1.0, "dropout_p must be in [0, 1], but got ", dropout_p);
   auto heads = at::scaled_dot_product_attention(
-      q, k, v, present_or_none(additive_mask), training ? dropout_p : 0.0, /*is_causal=*/false);
+      q, k, v, optional_if_defined(additive_mask), training ? dropout_p : 0.0, /*is_causal=*/false);
   return at::linear(detail::merge_heads(heads, batch_first), w_out, b_out);
 }
 
@@ -290,8 +288,8 @@ Tensor MultiheadAttentionImpl::forward_with_cache(const Tensor& query, KeyValueC
   check_no_extra_key_positions(*this, "forward_with_cache");
   auto p = in_projection_of(*this);
   return cache.attend(
-      query, p.w_q, p.b_q, p.w_k, p.b_k, p.w_v, p.b_v, out_proj->weight, present_or_none(out_proj->bias),
-      present_or_none(key_padding_mask), options.dropout(), is_training(), options.batch_first());
+      query, p.w_q, p.b_q, p.w_k, p.b_k, p.w_v, p.b_v, out_proj->weight, optional_if_defined(out_proj->bias),
+      optional_if_defined(key_padding_mask), options.dropout(), is_training(), options.batch_first());
 }
 
 Tensor MultiheadAttentionImpl::forward_with_cache(
@@ -301,8 +299,8 @@ Tensor MultiheadAttentionImpl::forward_with_cache(
   check_no_extra_key_positions(*this, "forward_with_cache");
   auto p = in_projection_of(*this);
   return attention_with_static_key_value(
-      query, memory.keys, memory.values, p.w_q, p.b_q, out_proj->weight, present_or_none(out_proj->bias),
-      present_or_none(key_padding_mask), options.dropout(), is_training(), options.batch_first());
+      query, memory.keys, memory.values, p.w_q, p.b_q, out_proj->weight, optional_if_defined(out_proj->bias),
+      optional_if_defined(key_padding_mask), options.dropout(), is_training(), options.batch_first());
 }
 
 StaticKeyValue MultiheadAttentionImpl::project_key_value(const Tensor& key, const Tensor& value) {
@@ -360,7 +358,7 @@ Tensor CrossAttentionImpl::forward_with_cache(const Tensor& x, const StaticKeyVa
   }
   auto attended = attention_with_static_key_value(
       x, context.keys, context.values, to_q->weight, std::nullopt, to_out->weight, to_out->bias,
-      present_or_none(key_padding_mask), /*dropout_p=*/0.0, is_training(), /*batch_first=*/true);
+      optional_if_defined(key_padding_mask), /*dropout_p=*/0.0, is_training(), /*batch_first=*/true);
   return dropout(attended);
 }
 

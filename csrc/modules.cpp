@@ -16,9 +16,7 @@ using at::Tensor;
 using torch::nn::Linear;
 using torch::nn::LinearOptions;
 
-std::optional<Tensor> optional_tensor(const Tensor& t) {
-  return t.defined() ? std::optional<Tensor>(t) : std::nullopt;
-}
+using detail::optional_if_defined;
 
 void check_sizes(int64_t embed_dim, int64_t num_heads) {
   TORCH_CHECK_VALUE(
@@ -54,7 +52,7 @@ Tensor separate_projection_attention(
       query, key, value, embed_dim, num_heads, /*in_proj_weight=*/std::nullopt, in_proj_bias,
       /*bias_k=*/std::nullopt, /*bias_v=*/std::nullopt, /*add_zero_attn=*/false, dropout,
       self.out_proj->weight, self.out_proj->bias, self.is_training(), /*key_padding_mask=*/std::nullopt,
-      /*need_weights=*/false, optional_tensor(attn_mask), self.q_proj->weight, self.k_proj->weight,
+      /*need_weights=*/false, optional_if_defined(attn_mask), self.q_proj->weight, self.k_proj->weight,
       self.v_proj->weight));
 }
 
@@ -154,7 +152,7 @@ Tensor MultiheadAttentionV4Impl::forward(
   return std::get<0>(multi_head_attention_forward(
       query, key, value, options.embed_dim(), options.num_heads(), in_proj->weight, in_proj->bias,
       std::nullopt, std::nullopt, /*add_zero_attn=*/false, options.dropout(), out_proj->weight,
-      out_proj->bias, is_training(), std::nullopt, /*need_weights=*/false, optional_tensor(attn_mask)));
+      out_proj->bias, is_training(), std::nullopt, /*need_weights=*/false, optional_if_defined(attn_mask)));
 }
 
 // -------------------------------------------------------------------------- MultiheadAttention
@@ -233,11 +231,11 @@ std::tuple<Tensor, Tensor> MultiheadAttentionImpl::forward(
         ") have different dtypes; mixing them is deprecated in torch.nn.MultiheadAttention: use one dtype for both.");
   }
   return multi_head_attention_forward(
-      query, key, value, options.embed_dim(), options.num_heads(), optional_tensor(in_proj_weight),
-      optional_tensor(in_proj_bias), optional_tensor(bias_k), optional_tensor(bias_v),
-      options.add_zero_attn(), options.dropout(), out_proj->weight, optional_tensor(out_proj->bias),
-      is_training(), optional_tensor(key_padding_mask), need_weights, optional_tensor(attn_mask),
-      optional_tensor(q_proj_weight), optional_tensor(k_proj_weight), optional_tensor(v_proj_weight),
+      query, key, value, options.embed_dim(), options.num_heads(), optional_if_defined(in_proj_weight),
+      optional_if_defined(in_proj_bias), optional_if_defined(bias_k), optional_if_defined(bias_v),
+      options.add_zero_attn(), options.dropout(), out_proj->weight, optional_if_defined(out_proj->bias),
+      is_training(), optional_if_defined(key_padding_mask), need_weights, optional_if_defined(attn_mask),
+      optional_if_defined(q_proj_weight), optional_if_defined(k_proj_weight), optional_if_defined(v_proj_weight),
       average_attn_weights, is_causal, options.batch_first(), /*allow_fast_path=*/true);
 }
 

@@ -42,15 +42,11 @@ def load_state_dict(module, path) -> None:
     _cpp.load_state_dict(_unwrap(module), str(path))
 
 
-def _named_parameters(module) -> dict:
-    return dict(module.named_parameters())
-
-
 def copy_parameters(src, dst) -> None:
     """Copies every parameter of ``src`` into the parameter of the same name in ``dst``; either
     may be a C++ module from this namespace or a Python module (torchmha's or torch's). Names
     and shapes must match exactly (a KeyError or ValueError says which do not)."""
-    src_params, dst_params = _named_parameters(src), _named_parameters(dst)
+    src_params, dst_params = dict(src.named_parameters()), dict(dst.named_parameters())
     if src_params.keys() != dst_params.keys():
         raise KeyError(
             f"parameter names differ: only in source {sorted(src_params.keys() - dst_params.keys())}, "

@@ -4,6 +4,8 @@
 
 #include <torchmha/torchmha.h>
 
+#include "test_helpers.h"
+
 #include <gtest/gtest.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/torch.h>
@@ -66,14 +68,12 @@ TEST(ReferenceCases, CppModuleReproducesPythonTorch) {
         get("query").toTensor(), get("key").toTensor(), get("value").toTensor(),
         tensor_or_undefined(get("key_padding_mask")), get("need_weights").toBool(),
         tensor_or_undefined(get("attn_mask")), get("average_attn_weights").toBool());
-    const auto expected = get("output").toTensor();
-    ASSERT_EQ(output.sizes(), expected.sizes()) << "case " << i;
-    EXPECT_LE((output - expected).abs().max().item<double>(), 1e-10) << "case " << i;
+    SCOPED_TRACE("reference case " + std::to_string(i));
+    torchmha_test::expect_close(output, get("output").toTensor());
     const auto expected_weights = tensor_or_undefined(get("weights"));
-    ASSERT_EQ(weights.defined(), expected_weights.defined()) << "case " << i;
+    ASSERT_EQ(weights.defined(), expected_weights.defined());
     if (weights.defined()) {
-      ASSERT_EQ(weights.sizes(), expected_weights.sizes()) << "case " << i;
-      EXPECT_LE((weights - expected_weights).abs().max().item<double>(), 1e-10) << "case " << i;
+      torchmha_test::expect_close(weights, expected_weights);
     }
   }
 }

@@ -85,6 +85,10 @@ std::tuple<at::Tensor, at::Tensor> multi_head_attention_forward(
 /// Internal helpers of the functional core, shared with the decoding code (csrc/decoding.cpp);
 /// not part of the stable API.
 namespace detail {
+/// An undefined tensor (LibTorch's "absent") as std::nullopt, for the optional arguments above.
+inline std::optional<at::Tensor> optional_if_defined(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
 /// Bool masks (true = not allowed) become additive float masks of `target_dtype` (-inf where
 /// true); float masks pass through; other dtypes throw ArgumentError naming `name`.
 at::Tensor canonical_mask(const at::Tensor& mask, const char* name, at::ScalarType target_dtype);
