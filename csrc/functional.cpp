@@ -488,13 +488,20 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
   if (need_weights) {
     // Explicit softmax(q k^T / sqrt(head_dim) + mask): the weights are part of the result.
     // bmm over the N*H heads (reshape copies strided heads once; 4-D matmul would add more ops).
+    // The 1/sqrt(head_dim) scale is the GEMM's alpha rather than a pass over q (torch scales q;
+    // the two agree to rounding, exactly when head_dim is a power of 4). beta = 0 ignores the
+    // input, so a zero-stride placeholder serves.
     const int64_t batch_heads = bsz * num_heads;
-    auto scores = at::bmm(
-                      (q * std::sqrt(1.0 / static_cast<double>(head_dim))).reshape({batch_heads, tgt_len, head_dim}),
-                      k.reshape({batch_heads, total_src_len, head_dim}).transpose(1, 2))
+    const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+    auto ignored_input = at::empty({1, 1, 1}, q.options()).expand({batch_heads, tgt_len, total_src_len});
+    auto scores = at::baddbmm(
+                      ignored_input, q.reshape({batch_heads, tgt_len, head_dim}),
+                      k.reshape({batch_heads, total_src_len, head_dim}).transpose(1, 2), /*beta=*/0, /*alpha=*/scale)
                       .view({bsz, num_heads, tgt_len, total_src_len});
+    // In place on the GEMM's fresh output (its backward reads only its inputs): spares an
+    // N*H*L*S allocation.
     if (attn_mask.defined()) {
-      scores = scores + attn_mask;
+      scores.add_(attn_mask);
     }
     attn_weights = at::softmax(scores, -1);
     if (p > 0.0) {

@@ -126,3 +126,47 @@ def decoding_samples():
 def test_opcheck_decoding_ops(index):
     op, args, kwargs = decoding_samples()[index]
     opcheck(op, args, kwargs)
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_function_transforms_match_torch(need_weights):
+    """Forward-mode AD (torch.func.jvp) and vmap through the op: out= variants inside the core
+    would break the first, so it guards the core's choice of ops. need_weights=False runs SDPA,
+    whose CPU flash kernel has no forward AD in torch either: there both must raise."""
+    ref, ours = mha_pair(8, 2)
+    x, tangent = torch.randn(3, 2, 8, dtype=torch.float64), torch.randn(3, 2, 8, dtype=torch.float64)
+    mask = torch.randn(3, 3, dtype=torch.float64)
+    for mode in ("train", "eval"):
+        ref.train(mode == "train")
+        ours.train(mode == "train")
+
+        def call(module):
+            return lambda x: module(x, x, x, attn_mask=mask, need_weights=need_weights)[0]
+
+        if not need_weights:
+            for module in (ref, ours):
+                with pytest.raises(NotImplementedError, match="forward AD"):
+                    torch.func.jvp(call(module), (x,), (tangent,))
+            continue
+        expected = torch.func.jvp(call(ref), (x,), (tangent,))
+        got = torch.func.jvp(call(ours), (x,), (tangent,))
+        assert_close(got[0], expected[0], torch.float64, f"jvp primal, {mode}")
+        assert_close(got[1], expected[1], torch.float64, f"jvp tangent, {mode}")
+    batch = torch.randn(4, 3, 2, 8, dtype=torch.float64)
+    assert_close(torch.func.vmap(call(ours))(batch), torch.func.vmap(call(ref))(batch), torch.float64, "vmap")
+
+
+def test_gradient_reaches_a_float_attn_mask():
+    """A float attn_mask is an input like any other: its gradient matches torch's (the core adds
+    it to the scores in place, which autograd must see)."""
+    ref, ours = mha_pair(8, 2)
+    x, upstream = torch.randn(4, 2, 8, dtype=torch.float64), torch.randn(4, 2, 8, dtype=torch.float64)
+    base_mask = torch.randn(2 * 2, 4, 4, dtype=torch.float64)
+    for need_weights in (True, False):
+        grads = []
+        for module in (ref, ours):
+            mask = base_mask.clone().requires_grad_()
+            out = module(x, x, x, attn_mask=mask, need_weights=need_weights)[0]
+            grads.append(torch.autograd.grad((out * upstream).sum(), mask)[0])
+        assert grads[1].abs().sum() > 0
+        assert_close(grads[1], grads[0], torch.float64, f"need_weights={need_weights}")
