@@ -10,6 +10,8 @@ Peers (the same weights everywhere):
     torch  torch.nn.MultiheadAttention
     sdpa   the same projections in plain torch around F.scaled_dot_product_attention; it never
            returns attention weights, so it only runs where need_weights=False
+    floor  (small_default, fast_path) only the GEMMs any implementation runs, on prepared inputs:
+           floor/torch is the lowest ours/torch reachable on the machine (see gemm_floor)
 
 Writes benchmarks/results/<device>.json, <device>.md and the plots <device>_time_vs_len.png and
 <device>_memory_vs_len.png, then prints the Markdown table. Times are medians of
@@ -102,7 +104,15 @@ class Row:
     @property
     def ratios(self) -> dict[str, float]:
         ours = self.times_ms.get("ours")
-        return {f"ours/{peer}": ours / t for peer, t in self.times_ms.items() if peer != "ours" and ours}
+        return {f"ours/{peer}": ours / t for peer, t in self.times_ms.items() if peer not in ("ours", "floor") and ours}
+
+    @property
+    def floor_ratio(self) -> Optional[float]:
+        """GEMM floor / torch where the case timed the floor (see gemm_floor): ours/torch cannot go
+        much below it, so a target under it cannot hold on this machine."""
+        if "floor" not in self.times_ms or "torch" not in self.times_ms:
+            return None
+        return self.times_ms["floor"] / self.times_ms["torch"]
 
     @property
     def status(self) -> str:
@@ -114,7 +124,8 @@ class Row:
 
     def to_json(self) -> dict:
         result = asdict(self)
-        result.update(target=str(self.target) if self.target else None, ratios=self.ratios, status=self.status)
+        result.update(target=str(self.target) if self.target else None, ratios=self.ratios, status=self.status,
+                      floor_ratio=self.floor_ratio)
         return result
 
 
@@ -155,8 +166,9 @@ def measure(peers: Peers, settings: Settings, min_run_time: Optional[float] = No
     in alternating rounds and keeps each one's lowest median: on a shared machine a burst of other
     load then spoils one round of every peer instead of all the samples of one peer."""
     diff = max_abs_diff(peers["ours"](), peers["torch"]())
-    if "sdpa" in peers:
-        peers["sdpa"]()
+    for name, fn in peers.items():
+        if name not in ("ours", "torch"):
+            fn()  # warm-up
     round_time = (min_run_time or settings.min_run_time) / settings.rounds
     best = {name: float("inf") for name in peers}
     for _ in range(settings.rounds):
@@ -196,26 +208,55 @@ def sdpa_attention(module: nn.MultiheadAttention, x: Tensor) -> Tensor:
 
 
 def self_attention_peers(ref: nn.MultiheadAttention, ours: nn.MultiheadAttention, x: Tensor, *,
-                         need_weights: bool, no_grad: bool) -> Peers:
-    """One forward of self-attention on x for each peer (sdpa only when weights are not needed)."""
+                         need_weights: bool, no_grad: bool, with_floor: bool = False) -> Peers:
+    """One forward of self-attention on x for each peer (sdpa only when weights are not needed;
+    the GEMM floor on request)."""
     peers: Peers = {
         "ours": lambda: ours(x, x, x, need_weights=need_weights),
         "torch": lambda: ref(x, x, x, need_weights=need_weights),
     }
     if not need_weights:
         peers["sdpa"] = lambda: sdpa_attention(ref, x)
+    if with_floor:
+        peers["floor"] = gemm_floor(ref, x, need_weights)
     if no_grad:
         peers = {name: torch.no_grad()(fn) for name, fn in peers.items()}
     return peers
 
 
+def gemm_floor(module: nn.MultiheadAttention, x: Tensor, need_weights: bool) -> Callable[[], Tensor]:
+    """The matrix products that any implementation of this call must run, and nothing else: the
+    packed in-projection and the out-projection with the module's weights (autograd records them
+    as it does inside the modules), plus, when the weights are returned, q k^T and P v over the N*H
+    heads (without weights, SDPA's fused kernels beat two bmm calls, so they are no floor). Inputs
+    are prepared beforehand: no copy, softmax, mask or dispatch of the real call is in it. Its time
+    over torch's is a lower bound on ours/torch for any implementation on the same GEMMs."""
+    x_nle = x if module.batch_first else x.transpose(0, 1)
+    N, L, E = x_nle.shape
+    H = module.num_heads
+    tokens = x_nle.reshape(N * L, E).detach()
+    like = dict(device=x.device, dtype=x.dtype)
+    heads = torch.randn(N * L, E, **like)
+    q, k_t = torch.randn(N * H, L, E // H, **like), torch.randn(N * H, E // H, L, **like)
+    probs, v = torch.randn(N * H, L, L, **like), torch.randn(N * H, L, E // H, **like)
+
+    def run() -> Tensor:
+        F.linear(tokens, module.in_proj_weight, module.in_proj_bias)
+        if need_weights:
+            torch.bmm(q, k_t)
+            torch.bmm(probs, v)
+        return F.linear(heads, module.out_proj.weight, module.out_proj.bias)
+
+    return run
+
+
 def inference_peers(N: int, L: int, E: int, H: int, *, device: str, dtype: torch.dtype = torch.float32,
-                    batch_first: bool = True, need_weights: bool = False) -> Peers:
+                    batch_first: bool = True, need_weights: bool = False, with_floor: bool = False) -> Peers:
     """Eval mode, torch.no_grad, self-attention on a fresh random (N, L, E) input."""
     ref, ours = build_pair(E, H, batch_first=batch_first, device=device, dtype=dtype)
     shape = (N, L, E) if batch_first else (L, N, E)
     x = torch.randn(shape, device=device, dtype=dtype)
-    return self_attention_peers(ref, ours, x, need_weights=need_weights, no_grad=True)
+    return self_attention_peers(ref, ours, x, need_weights=need_weights, no_grad=True, with_floor=with_floor)
 
 
 def attention_gflop(N: int, L: int, E: int) -> float:
@@ -322,7 +363,7 @@ def small_default(settings: Settings) -> list[Row]:
     for mode in ("train", "eval"):
         for module in (ref, ours):
             module.train(mode == "train")
-        peers = self_attention_peers(ref, ours, x, need_weights=True, no_grad=False)
+        peers = self_attention_peers(ref, ours, x, need_weights=True, no_grad=False, with_floor=True)
         # Microseconds per call: give the medians more samples, they are cheap.
         times, diff = measure(peers, settings, min_run_time=2 * settings.min_run_time)
         rows.append(ratio_row("small_default", f"{mode}, N={N} L={L} E={E} H={H}, need_weights", times, diff, 0.5))
@@ -335,7 +376,7 @@ def fast_path(settings: Settings) -> list[Row]:
     N, L, E, H = 8, 128, 512, 8
     rows = []
     for need_weights in (True, False):
-        peers = inference_peers(N, L, E, H, device=settings.device, need_weights=need_weights)
+        peers = inference_peers(N, L, E, H, device=settings.device, need_weights=need_weights, with_floor=True)
         times, diff = measure(peers, settings)
         setting = f"eval no_grad, N={N} L={L} E={E} H={H}, need_weights={need_weights}"
         rows.append(ratio_row("fast_path", setting, times, diff, 0.9))
@@ -504,14 +545,15 @@ def fmt(value: Optional[float], spec: str = ".3g") -> str:
 
 
 def markdown_table(rows: list[Row]) -> str:
-    columns = ["case", "setting", "ours ms", "torch ms", "sdpa ms", "ours/torch", "ours/sdpa", "max abs diff",
-               "target", "measured", "result", "notes"]
-    lines = ["| " + " | ".join(columns) + " |", "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
+    columns = ["case", "setting", "ours ms", "torch ms", "sdpa ms", "ours/torch", "ours/sdpa", "floor/torch",
+               "max abs diff", "target", "measured", "result", "notes"]
+    lines = ["| " + " | ".join(columns) + " |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
     for row in rows:
         t, r = row.times_ms, row.ratios
         cells = [
             row.case, row.setting, fmt(t.get("ours"), "ms"), fmt(t.get("torch"), "ms"), fmt(t.get("sdpa"), "ms"),
-            fmt(r.get("ours/torch"), ".2f"), fmt(r.get("ours/sdpa"), ".2f"), fmt(row.max_abs_diff, ".1e"),
+            fmt(r.get("ours/torch"), ".2f"), fmt(r.get("ours/sdpa"), ".2f"), fmt(row.floor_ratio, ".2f"),
+            fmt(row.max_abs_diff, ".1e"),
             str(row.target or "-"), fmt(row.value, ".3f"), row.status, row.notes,
         ]
         lines.append("| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in cells) + " |")
@@ -525,7 +567,8 @@ def targets_summary(rows: list[Row]) -> str:
     skipped = len(with_target) - len(measured)
     lines = [f"Targets held: {len(held)} of {len(measured)}" + (f" ({skipped} skipped)" if skipped else "")]
     for row in with_target:
-        lines.append(f"- {row.status} {row.case} ({row.setting}): {row.target}, measured {fmt(row.value, '.3f')}")
+        floor = f" (GEMM floor/torch {row.floor_ratio:.3f})" if row.floor_ratio is not None else ""
+        lines.append(f"- {row.status} {row.case} ({row.setting}): {row.target}, measured {fmt(row.value, '.3f')}{floor}")
     return "\n".join(lines)
 
 
