@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -129,11 +129,20 @@ class Row:
         return result
 
 
-def ratio_row(case: str, setting: str, times_ms: dict[str, float], diff: Optional[float], threshold: float,
-              notes: str = "") -> Row:
-    """The common row: target on ours / torch.nn.MultiheadAttention."""
+class Measured(NamedTuple):
+    times_ms: dict[str, float]  # each peer's lowest median over the rounds
+    max_abs_diff: float  # ours vs torch
+    round_ratios: list[float]  # ours/torch within each round: their spread is this row's noise
+
+
+def ratio_row(case: str, setting: str, measured: Measured, threshold: float, notes: str = "") -> Row:
+    """The common row: target on ours / torch.nn.MultiheadAttention, with the spread of the
+    per-round ratios in the notes (a target inside that spread is not decided by this run)."""
+    times_ms, ratios = measured.times_ms, measured.round_ratios
+    spread = f"rounds {min(ratios):.2f}-{max(ratios):.2f}"
     target = Target("ours/torch", "<=", threshold)
-    return Row(case, setting, times_ms, diff, target, times_ms["ours"] / times_ms["torch"], notes)
+    return Row(case, setting, times_ms, measured.max_abs_diff, target, times_ms["ours"] / times_ms["torch"],
+               f"{notes}; {spread}" if notes else spread, data={"round_ratios": ratios})
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -161,20 +170,26 @@ def max_abs_diff(a: object, b: object) -> float:
     return max(diffs, default=0.0)
 
 
-def measure(peers: Peers, settings: Settings, min_run_time: Optional[float] = None) -> tuple[dict[str, float], float]:
+def measure(peers: Peers, settings: Settings, min_run_time: Optional[float] = None) -> Measured:
     """Runs every peer once (warm-up, and the correctness check ours vs torch), then times the peers
     in alternating rounds and keeps each one's lowest median: on a shared machine a burst of other
-    load then spoils one round of every peer instead of all the samples of one peer."""
+    load then spoils one round of every peer instead of all the samples of one peer. Also returns
+    ours/torch of each round, back-to-back timings whose spread shows the run's noise."""
     diff = max_abs_diff(peers["ours"](), peers["torch"]())
     for name, fn in peers.items():
         if name not in ("ours", "torch"):
             fn()  # warm-up
     round_time = (min_run_time or settings.min_run_time) / settings.rounds
     best = {name: float("inf") for name in peers}
-    for _ in range(settings.rounds):
-        for name, fn in peers.items():
-            best[name] = min(best[name], median_ms(fn, round_time))
-    return best, diff
+    round_ratios = []
+    for round_index in range(settings.rounds):
+        # Order reversed every other round, so no peer always runs first (after the case's
+        # set-up) or right after the same neighbour.
+        order = list(peers.items()) if round_index % 2 == 0 else list(peers.items())[::-1]
+        this_round = {name: median_ms(fn, round_time) for name, fn in order}
+        best = {name: min(best[name], this_round[name]) for name in peers}
+        round_ratios.append(this_round["ours"] / this_round["torch"])
+    return Measured(best, diff, round_ratios)
 
 
 def build_pair(E: int, H: int, *, batch_first: bool, device: str, dtype: torch.dtype = torch.float32,
@@ -273,7 +288,7 @@ def long_seq_peers(L: int, device: str) -> Peers:
 
 
 @functools.lru_cache(maxsize=None)
-def long_seq_times(L: int, settings: Settings) -> tuple[dict[str, float], float]:
+def long_seq_times(L: int, settings: Settings) -> Measured:
     """Median ms per peer and max |ours - torch| at length L; cached so long_seq and seq_series share it."""
     return measure(long_seq_peers(L, settings.device), settings)
 
@@ -365,8 +380,8 @@ def small_default(settings: Settings) -> list[Row]:
             module.train(mode == "train")
         peers = self_attention_peers(ref, ours, x, need_weights=True, no_grad=False, with_floor=True)
         # Microseconds per call: give the medians more samples, they are cheap.
-        times, diff = measure(peers, settings, min_run_time=2 * settings.min_run_time)
-        rows.append(ratio_row("small_default", f"{mode}, N={N} L={L} E={E} H={H}, need_weights", times, diff, 0.5))
+        measured = measure(peers, settings, min_run_time=2 * settings.min_run_time)
+        rows.append(ratio_row("small_default", f"{mode}, N={N} L={L} E={E} H={H}, need_weights", measured, 0.5))
     return rows
 
 
@@ -377,9 +392,8 @@ def fast_path(settings: Settings) -> list[Row]:
     rows = []
     for need_weights in (True, False):
         peers = inference_peers(N, L, E, H, device=settings.device, need_weights=need_weights, with_floor=True)
-        times, diff = measure(peers, settings)
         setting = f"eval no_grad, N={N} L={L} E={E} H={H}, need_weights={need_weights}"
-        rows.append(ratio_row("fast_path", setting, times, diff, 0.9))
+        rows.append(ratio_row("fast_path", setting, measure(peers, settings), 0.9))
     return rows
 
 
@@ -408,9 +422,8 @@ def train_step(settings: Settings) -> list[Row]:
         return run
 
     peers = {name: step(fwd, ours if name == "ours" else ref) for name, fwd in forwards.items()}
-    times, diff = measure(peers, settings)
     setting = f"train fwd+bwd, N={N} L={L} E={E} H={H}, need_weights=False"
-    return [ratio_row("train_step", setting, times, diff, 0.95, notes="diff: output and all gradients")]
+    return [ratio_row("train_step", setting, measure(peers, settings), 0.95, notes="diff: output and all gradients")]
 
 
 @case
@@ -418,8 +431,7 @@ def long_seq(settings: Settings) -> list[Row]:
     """One long sequence: time at L=8192, and whether ours' peak memory grows linearly in L."""
     m, L = LONG_SEQ_MODEL, LONG_SEQ_TARGET_L
     model = f"N={m['N']} E={m['E']} H={m['H']}"
-    times, diff = long_seq_times(L, settings)
-    time_row = ratio_row("long_seq", f"eval no_grad, L={L} {model}, need_weights=False", times, diff, 1.0)
+    time_row = ratio_row("long_seq", f"eval no_grad, L={L} {model}, need_weights=False", long_seq_times(L, settings), 1.0)
 
     short, long = LONG_SEQ_MEMORY_LENGTHS
     peak_short, peak_long = long_seq_peak_mib("ours", LONG_SEQ_MEMORY_LENGTHS, settings).values()
@@ -436,16 +448,15 @@ def long_seq(settings: Settings) -> list[Row]:
 def bf16_inference(settings: Settings) -> list[Row]:
     N, L, E, H = 4, 1024, 512, 8
     peers = inference_peers(N, L, E, H, device=settings.device, dtype=torch.bfloat16)
-    times, diff = measure(peers, settings)
     setting = f"bfloat16 eval no_grad, N={N} L={L} E={E} H={H}, need_weights=False"
-    return [ratio_row("bf16_inference", setting, times, diff, 1.0)]
+    return [ratio_row("bf16_inference", setting, measure(peers, settings), 1.0)]
 
 
 @case
 def efficiency(settings: Settings) -> list[Row]:
     """Achieved GFLOP/s of ours against a plain fp32 matmul on the same device, same run."""
     N, L, E, H = 1, 4096, 512, 8
-    times, diff = measure(inference_peers(N, L, E, H, device=settings.device), settings)
+    times, diff, _ = measure(inference_peers(N, L, E, H, device=settings.device), settings)
     size = 2048
     a, b = (torch.randn(size, size, device=settings.device) for _ in range(2))
     mm_gflops = 2 * size**3 / 1e9 / (median_ms(lambda: torch.mm(a, b), settings.min_run_time) / 1e3)
@@ -465,7 +476,7 @@ def seq_series(settings: Settings) -> list[Row]:
     peak_mib = {peer: long_seq_peak_mib(peer, lengths, settings) for peer in ("ours", "torch", "sdpa")}
     rows = []
     for L in tqdm(lengths, desc="seq_series lengths", leave=False):
-        times, diff = long_seq_times(L, settings)
+        times, diff, _ = long_seq_times(L, settings)
         peaks = {peer: by_length[L] for peer, by_length in peak_mib.items()}
         notes = "peak MiB: " + ", ".join(f"{peer} {mb:.1f}" for peer, mb in peaks.items())
         setting = f"L={L} N={m['N']} E={m['E']} H={m['H']}"
