@@ -92,7 +92,12 @@ Tensor padding_bias(const std::optional<Tensor>& key_padding_mask, int64_t batch
   TORCHMHA_CHECK_ARG(
       mask.dim() == 2 && mask.size(0) == batch && mask.size(1) == src_len, "expected key_padding_mask of shape (",
       batch, ", ", src_len, ") (batch, number of keys attended so far), but got ", mask.sizes());
-  return detail::canonical_mask(mask, "key_padding_mask", dtype).to(dtype).view({batch, 1, 1, src_len});
+  auto additive = detail::canonical_mask(mask, "key_padding_mask", dtype);
+  // As the main path (and torch): a float mask is added in the query's dtype, never converted.
+  TORCH_CHECK(
+      additive.scalar_type() == dtype, "a float key_padding_mask must have the dtype of query (", dtype,
+      "), but got ", additive.scalar_type());
+  return additive.view({batch, 1, 1, src_len});
 }
 
 }  // namespace
@@ -128,12 +133,14 @@ Tensor attention_with_cache(
       cache_length + new_len <= max_length, "the key/value cache is full: it holds ", cache_length, " of its ",
       max_length, " positions and cannot take ", new_len, " more; make it with a larger max_length or reset() it");
 
+  const int64_t src_len = cache_length + new_len;
+  // Checked before the caches are written, so a bad mask leaves them as they were.
+  auto padding = padding_bias(key_padding_mask, batch, src_len, query.scalar_type());
   auto q = project_to_heads(query, w_q, b_q, num_heads, batch_first, "w_q");
   auto k = project_to_heads(query, w_k, b_k, num_heads, batch_first, "w_k");
   auto v = project_to_heads(query, w_v, b_v, num_heads, batch_first, "w_v");
   k_cache.narrow(2, cache_length, new_len).copy_(k);
   v_cache.narrow(2, cache_length, new_len).copy_(v);
-  const int64_t src_len = cache_length + new_len;
 
   // Query i sits at absolute position cache_length + i and may see keys 0 .. cache_length + i.
   // (SDPA's is_causal would align the triangle top-left when new_len != src_len: wrong here.)
@@ -143,7 +150,6 @@ Tensor attention_with_cache(
     auto future = at::ones({new_len, src_len}, query.options().dtype(at::kBool)).triu(cache_length + 1);
     mask = detail::canonical_mask(future, "causal mask", query.scalar_type());
   }
-  auto padding = padding_bias(key_padding_mask, batch, src_len, query.scalar_type());
   if (padding.defined()) {
     mask = mask.defined() ? mask + padding : padding;
   }

@@ -124,6 +124,10 @@ def test_full_cache_and_wrong_batch_raise_clearly_and_leave_cache_unchanged():
         assert cache.length == 3
         with pytest.raises(AssertionError, match=r"key_padding_mask of shape \(3, 4\)"):
             ours.forward_with_cache(torch.randn(1, N, E, dtype=torch.float64), cache, torch.zeros(N, 1, dtype=torch.bool))
+        with pytest.raises(RuntimeError, match=r"float key_padding_mask must have the dtype of query \(Double\), but got Float"):
+            ours.forward_with_cache(torch.randn(1, N, E, dtype=torch.float64), cache, torch.zeros(N, 4))
+        assert cache.length == 3
+        assert not cache.keys[:, :, 3:].any(), "a rejected step must not write into the cache"
     with pytest.raises(ValueError, match="greater than 0"):
         torchmha.KeyValueCache(0, H, 4, E // H)
 
