@@ -83,21 +83,29 @@ Tensor attend_heads(
   return at::linear(detail::merge_heads(heads, batch_first), w_out, b_out);
 }
 
-// key_padding_mask (N, S) -> additive (N, 1, 1, S) in `dtype`; undefined when absent.
-Tensor padding_bias(const std::optional<Tensor>& key_padding_mask, int64_t batch, int64_t src_len, at::ScalarType dtype) {
+// key_padding_mask (N, S) -> additive (N, 1, 1, S) in `dtype`; undefined when absent. S may be
+// symbolic (a cache's length under torch.compile), so it is compared and viewed as a SymInt.
+Tensor padding_bias(
+    const std::optional<Tensor>& key_padding_mask,
+    int64_t batch,
+    const c10::SymInt& src_len,
+    at::ScalarType dtype) {
   if (!key_padding_mask.has_value() || !key_padding_mask->defined()) {
     return Tensor();
   }
   const Tensor& mask = *key_padding_mask;
+  // expect_true: a runtime assertion under tracing rather than a guard on the length.
   TORCHMHA_CHECK_ARG(
-      mask.dim() == 2 && mask.size(0) == batch && mask.size(1) == src_len, "expected key_padding_mask of shape (",
-      batch, ", ", src_len, ") (batch, number of keys attended so far), but got ", mask.sizes());
+      mask.dim() == 2 &&
+          mask.sym_size(0).sym_eq(batch).sym_and(mask.sym_size(1).sym_eq(src_len)).expect_true(__FILE__, __LINE__),
+      "expected key_padding_mask of shape (", batch, ", ", src_len,
+      ") (batch, number of keys attended so far), but got ", mask.sym_sizes());
   auto additive = detail::canonical_mask(mask, "key_padding_mask", dtype);
   // As the main path (and torch): a float mask is added in the query's dtype, never converted.
   TORCH_CHECK(
       additive.scalar_type() == dtype, "a float key_padding_mask must have the dtype of query (", dtype,
       "), but got ", additive.scalar_type());
-  return additive.view({batch, 1, 1, src_len});
+  return additive.view_symint({batch, 1, 1, src_len});
 }
 
 }  // namespace
@@ -120,42 +128,69 @@ Tensor attention_with_cache(
     double dropout_p,
     bool training,
     bool batch_first) {
+  return attention_with_cache_symint(
+      query, k_cache, v_cache, c10::SymInt(cache_length), w_q, b_q, w_k, b_k, w_v, b_v, w_out, b_out,
+      key_padding_mask, dropout_p, training, batch_first);
+}
+
+Tensor attention_with_cache_symint(
+    const Tensor& query,
+    const Tensor& k_cache,
+    const Tensor& v_cache,
+    c10::SymInt cache_length,
+    const Tensor& w_q,
+    const std::optional<Tensor>& b_q,
+    const Tensor& w_k,
+    const std::optional<Tensor>& b_k,
+    const Tensor& w_v,
+    const std::optional<Tensor>& b_v,
+    const Tensor& w_out,
+    const std::optional<Tensor>& b_out,
+    const std::optional<Tensor>& key_padding_mask,
+    double dropout_p,
+    bool training,
+    bool batch_first) {
   check_query_and_heads(
       query, k_cache, v_cache, w_q, batch_first, "attention_with_cache", "k_cache", "v_cache",
       "; reset the cache for the new batch size");
   const int64_t batch = query.size(batch_first ? 0 : 1);
   const int64_t new_len = query.size(batch_first ? 1 : 0);
   const int64_t num_heads = k_cache.size(1), max_length = k_cache.size(2);
+  // cache_length grows every step; under torch.compile it is symbolic, and everything that
+  // depends on it stays symbolic (sym checks, narrow_symint, arange) so that one graph serves
+  // every step instead of one recompilation per length.
   TORCH_CHECK_VALUE(
-      cache_length >= 0 && cache_length <= max_length, "cache_length must be in [0, ", max_length, "], but got ",
-      cache_length);
-  TORCH_CHECK(
-      cache_length + new_len <= max_length, "the key/value cache is full: it holds ", cache_length, " of its ",
-      max_length, " positions and cannot take ", new_len, " more; make it with a larger max_length or reset() it");
+      cache_length.sym_ge(0).sym_and(cache_length.sym_le(max_length)).expect_true(__FILE__, __LINE__),
+      "cache_length must be in [0, ", max_length, "], but got ", cache_length);
+  const c10::SymInt src_len = cache_length + new_len;
+  TORCH_SYM_CHECK(
+      src_len.sym_le(max_length), "the key/value cache is full: it holds ", cache_length, " of its ", max_length,
+      " positions and cannot take ", new_len, " more; make it with a larger max_length or reset() it");
 
-  const int64_t src_len = cache_length + new_len;
   // Checked before the caches are written, so a bad mask leaves them as they were.
   auto padding = padding_bias(key_padding_mask, batch, src_len, query.scalar_type());
   auto q = project_to_heads(query, w_q, b_q, num_heads, batch_first, "w_q");
   auto k = project_to_heads(query, w_k, b_k, num_heads, batch_first, "w_k");
   auto v = project_to_heads(query, w_v, b_v, num_heads, batch_first, "w_v");
-  k_cache.narrow(2, cache_length, new_len).copy_(k);
-  v_cache.narrow(2, cache_length, new_len).copy_(v);
+  k_cache.narrow_symint(2, cache_length, new_len).copy_(k);
+  v_cache.narrow_symint(2, cache_length, new_len).copy_(v);
 
   // Query i sits at absolute position cache_length + i and may see keys 0 .. cache_length + i.
   // (SDPA's is_causal would align the triangle top-left when new_len != src_len: wrong here.)
   // One new position sees every cached key, so it needs no mask at all.
   Tensor mask;
   if (new_len > 1) {
-    auto future = at::ones({new_len, src_len}, query.options().dtype(at::kBool)).triu(cache_length + 1);
+    auto index_options = query.options().dtype(at::kLong);
+    auto query_position = at::arange(new_len, index_options).unsqueeze(1) + cache_length;
+    auto future = at::arange(c10::Scalar(src_len), index_options).unsqueeze(0) > query_position;
     mask = detail::canonical_mask(future, "causal mask", query.scalar_type());
   }
   if (padding.defined()) {
     mask = mask.defined() ? mask + padding : padding;
   }
   return attend_heads(
-      q, k_cache.narrow(2, 0, src_len), v_cache.narrow(2, 0, src_len), mask, dropout_p, training, w_out, b_out,
-      batch_first);
+      q, k_cache.narrow_symint(2, 0, src_len), v_cache.narrow_symint(2, 0, src_len), mask, dropout_p, training,
+      w_out, b_out, batch_first);
 }
 
 std::tuple<Tensor, Tensor> project_key_value(

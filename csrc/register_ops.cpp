@@ -28,10 +28,10 @@ TORCH_LIBRARY(torchmha, m) {
   // Decoding (decoding.h). attention_with_cache writes the step's keys and values into the
   // caches in place, which the schema declares (a!)/(b!).
   m.def(
-      "attention_with_cache(Tensor query, Tensor(a!) k_cache, Tensor(b!) v_cache, int cache_length, "
+      "attention_with_cache(Tensor query, Tensor(a!) k_cache, Tensor(b!) v_cache, SymInt cache_length, "
       "Tensor w_q, Tensor? b_q, Tensor w_k, Tensor? b_k, Tensor w_v, Tensor? b_v, Tensor w_out, Tensor? b_out, "
       "Tensor? key_padding_mask=None, float dropout_p=0., bool training=False, bool batch_first=False) -> Tensor",
-      TORCH_FN(torchmha::attention_with_cache));
+      TORCH_FN(torchmha::attention_with_cache_symint));
   m.def(
       "project_key_value(Tensor key, Tensor value, int num_heads, Tensor w_k, Tensor? b_k, Tensor w_v, "
       "Tensor? b_v, bool batch_first=False) -> (Tensor, Tensor)",

@@ -298,3 +298,39 @@ def test_plot_attention_without_matplotlib_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match="pip install matplotlib"):
         torchmha.plot_attention(torch.rand(3, 3))
+
+
+def test_compiled_decoding_step_compiles_once_for_every_cache_length():
+    """torch.compile(dynamic=True) of a cached step: the op takes the cache length as a SymInt and
+    keeps it symbolic, so after the first lengths (0 and 1 are specialised, as dynamo always does)
+    every further step reuses one graph; the outputs still equal one causal forward of torch's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    ref, ours = mha_pair(E, H)
+    ours.eval()
+    ref.eval()
+    x = torch.randn(L, N, E, dtype=torch.float64)
+    kpm = padding_mask(N, L)
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=counter, dynamic=True, fullgraph=True)
+    def step(query, cache, key_padding_mask):
+        return ours.forward_with_cache(query, cache, key_padding_mask)
+
+    # Room to spare: the step that fills a cache to the last position compiles once more (a
+    # narrow over the whole length is specialised).
+    cache = torchmha.KeyValueCache.for_module(ours, N, L + 4)
+    frames = []
+    with torch.no_grad():
+        # A 3-token prefill (the causal mask is built), then one token at a time. The masks are
+        # fresh contiguous tensors, as a decoding loop makes them.
+        outputs = [step(x[:3], cache, kpm[:, :3].clone())]
+        for t in range(3, L):
+            outputs.append(step(x[t : t + 1], cache, kpm[:, : t + 1].clone()))
+            frames.append(counter.frame_count)
+        expected = ref(x, x, x, key_padding_mask=kpm, attn_mask=causal_mask(L), need_weights=False)[0]
+    assert_close(torch.cat(outputs), expected, torch.float64)
+    assert cache.length == L
+    assert frames[-1] == frames[2], f"recompiled as the cache grew: frames after each step {frames}"
+    assert frames[-1] <= 3, frames

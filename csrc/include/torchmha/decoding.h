@@ -51,6 +51,27 @@ at::Tensor attention_with_cache(
     bool training = false,
     bool batch_first = false);
 
+/// attention_with_cache with a symbolic cache_length (by value: the dispatcher recognises a
+/// SymInt kernel by that type): the registered op's kernel, so that
+/// torch.compile traces one graph for every cache length. C++ callers use the overload above.
+at::Tensor attention_with_cache_symint(
+    const at::Tensor& query,
+    const at::Tensor& k_cache,
+    const at::Tensor& v_cache,
+    c10::SymInt cache_length,
+    const at::Tensor& w_q,
+    const std::optional<at::Tensor>& b_q,
+    const at::Tensor& w_k,
+    const std::optional<at::Tensor>& b_k,
+    const at::Tensor& w_v,
+    const std::optional<at::Tensor>& b_v,
+    const at::Tensor& w_out,
+    const std::optional<at::Tensor>& b_out,
+    const std::optional<at::Tensor>& key_padding_mask,
+    double dropout_p,
+    bool training,
+    bool batch_first);
+
 /// Projects a fixed context (an encoder output) once: key (S, N, Ek) and value (S, N, Ev), or
 /// (N, S, *) with batch_first, with w_k (inner, Ek), w_v (inner, Ev), split into num_heads
 /// heads. Returns {keys, values}, each (N, H, S, inner / H).
