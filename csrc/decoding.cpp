@@ -115,28 +115,6 @@ Tensor attention_with_cache(
     const Tensor& query,
     const Tensor& k_cache,
     const Tensor& v_cache,
-    int64_t cache_length,
-    const Tensor& w_q,
-    const std::optional<Tensor>& b_q,
-    const Tensor& w_k,
-    const std::optional<Tensor>& b_k,
-    const Tensor& w_v,
-    const std::optional<Tensor>& b_v,
-    const Tensor& w_out,
-    const std::optional<Tensor>& b_out,
-    const std::optional<Tensor>& key_padding_mask,
-    double dropout_p,
-    bool training,
-    bool batch_first) {
-  return attention_with_cache_symint(
-      query, k_cache, v_cache, c10::SymInt(cache_length), w_q, b_q, w_k, b_k, w_v, b_v, w_out, b_out,
-      key_padding_mask, dropout_p, training, batch_first);
-}
-
-Tensor attention_with_cache_symint(
-    const Tensor& query,
-    const Tensor& k_cache,
-    const Tensor& v_cache,
     c10::SymInt cache_length,
     const Tensor& w_q,
     const std::optional<Tensor>& b_q,

@@ -31,7 +31,7 @@ TORCH_LIBRARY(torchmha, m) {
       "attention_with_cache(Tensor query, Tensor(a!) k_cache, Tensor(b!) v_cache, SymInt cache_length, "
       "Tensor w_q, Tensor? b_q, Tensor w_k, Tensor? b_k, Tensor w_v, Tensor? b_v, Tensor w_out, Tensor? b_out, "
       "Tensor? key_padding_mask=None, float dropout_p=0., bool training=False, bool batch_first=False) -> Tensor",
-      TORCH_FN(torchmha::attention_with_cache_symint));
+      TORCH_FN(torchmha::attention_with_cache));
   m.def(
       "project_key_value(Tensor key, Tensor value, int num_heads, Tensor w_k, Tensor? b_k, Tensor w_v, "
       "Tensor? b_v, bool batch_first=False) -> (Tensor, Tensor)",

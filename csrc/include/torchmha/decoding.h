@@ -32,29 +32,10 @@ namespace torchmha {
 /// cache_length + T), and lets query i (absolute position cache_length + i) attend to the cached
 /// keys 0 .. cache_length + i. key_padding_mask covers every key so far: (N, cache_length + T).
 /// Returns w_out-projected output in query's layout, last dim w_out.size(0).
-/// The caller advances its cache length by T (KeyValueCache does).
+/// The caller advances its cache length by T (KeyValueCache does). cache_length is a SymInt (an
+/// int64_t converts implicitly) so that under torch.compile it stays symbolic and one graph
+/// serves every length; taken by value, the type by which the dispatcher knows a SymInt kernel.
 at::Tensor attention_with_cache(
-    const at::Tensor& query,
-    const at::Tensor& k_cache,
-    const at::Tensor& v_cache,
-    int64_t cache_length,
-    const at::Tensor& w_q,
-    const std::optional<at::Tensor>& b_q,
-    const at::Tensor& w_k,
-    const std::optional<at::Tensor>& b_k,
-    const at::Tensor& w_v,
-    const std::optional<at::Tensor>& b_v,
-    const at::Tensor& w_out,
-    const std::optional<at::Tensor>& b_out,
-    const std::optional<at::Tensor>& key_padding_mask = std::nullopt,
-    double dropout_p = 0.0,
-    bool training = false,
-    bool batch_first = false);
-
-/// attention_with_cache with a symbolic cache_length (by value: the dispatcher recognises a
-/// SymInt kernel by that type): the registered op's kernel, so that
-/// torch.compile traces one graph for every cache length. C++ callers use the overload above.
-at::Tensor attention_with_cache_symint(
     const at::Tensor& query,
     const at::Tensor& k_cache,
     const at::Tensor& v_cache,
@@ -67,10 +48,10 @@ at::Tensor attention_with_cache_symint(
     const std::optional<at::Tensor>& b_v,
     const at::Tensor& w_out,
     const std::optional<at::Tensor>& b_out,
-    const std::optional<at::Tensor>& key_padding_mask,
-    double dropout_p,
-    bool training,
-    bool batch_first);
+    const std::optional<at::Tensor>& key_padding_mask = std::nullopt,
+    double dropout_p = 0.0,
+    bool training = false,
+    bool batch_first = false);
 
 /// Projects a fixed context (an encoder output) once: key (S, N, Ek) and value (S, N, Ev), or
 /// (N, S, *) with batch_first, with w_k (inner, Ek), w_v (inner, Ev), split into num_heads
