@@ -32,8 +32,9 @@ Tensor project_to_heads(
     bool batch_first,
     const char* weight_name) {
   TORCHMHA_CHECK_ARG(
-      w.dim() == 2 && w.size(1) == x.size(-1) && w.size(0) % num_heads == 0, "expected ", weight_name,
-      " of shape (num_heads * head_dim, ", x.size(-1), ") with num_heads = ", num_heads, ", but got ", w.sizes());
+      w.dim() == 2 && w.size(1) == x.size(-1) && w.size(0) % num_heads == 0, "an input of shape ", x.sizes(),
+      " (embedding size ", x.size(-1), ") needs ", weight_name, " of shape (num_heads * head_dim, ", x.size(-1),
+      ") with num_heads = ", num_heads, ", but got ", weight_name, " of shape ", w.sizes());
   const int64_t head_dim = w.size(0) / num_heads;
   return detail::to_heads(at::linear(x, w, b), /*parts=*/1, num_heads, head_dim, batch_first)[0];
 }
@@ -65,6 +66,10 @@ void check_query_and_heads(
       ", so w_q must have ", inner, " rows, but got w_q of shape ", w_q.sizes());
 }
 
+void check_dropout(double dropout_p) {
+  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p <= 1.0, "dropout_p must be in [0, 1], but got ", dropout_p);
+}
+
 // The one attention computation of this file (scale 1/sqrt(head_dim), as SDPA's default).
 // additive_mask: undefined or float, broadcastable to (N, H, T, S).
 Tensor attend_heads(
@@ -77,7 +82,6 @@ Tensor attend_heads(
     const Tensor& w_out,
     const std::optional<Tensor>& b_out,
     bool batch_first) {
-  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p <= 1.0, "dropout_p must be in [0, 1], but got ", dropout_p);
   auto heads = at::scaled_dot_product_attention(
       q, k, v, optional_if_defined(additive_mask), training ? dropout_p : 0.0, /*is_causal=*/false);
   return at::linear(detail::merge_heads(heads, batch_first), w_out, b_out);
@@ -131,6 +135,21 @@ Tensor attention_with_cache(
   check_query_and_heads(
       query, k_cache, v_cache, w_q, batch_first, "attention_with_cache", "k_cache", "v_cache",
       "; reset the cache for the new batch size");
+  // The new keys and values are written into the cache: their projections must match its heads.
+  auto check_projects_like_w_q = [&](const Tensor& w, const char* name) {
+    TORCHMHA_CHECK_ARG(
+        w.dim() == 2 && w.size(0) == w_q.size(0), "attention_with_cache: expected ", name, " of shape (",
+        w_q.size(0), ", ", query.size(-1), ") like w_q, but got ", name, " of shape ", w.sizes());
+  };
+  check_projects_like_w_q(w_k, "w_k");
+  check_projects_like_w_q(w_v, "w_v");
+  // Else copy_ would convert the new keys into the cache and SDPA fail only after that write.
+  // (Not checked for static keys: under autocast those are projected in lower precision.)
+  TORCH_CHECK(
+      k_cache.scalar_type() == query.scalar_type() && k_cache.device() == query.device(),
+      "attention_with_cache: the cache must have query's dtype and device (", query.scalar_type(), ", ",
+      query.device(), "), but got ", k_cache.scalar_type(), ", ", k_cache.device());
+  check_dropout(dropout_p);
   const int64_t batch = query.size(batch_first ? 0 : 1);
   const int64_t new_len = query.size(batch_first ? 1 : 0);
   const int64_t num_heads = k_cache.size(1), max_length = k_cache.size(2);
@@ -208,6 +227,7 @@ Tensor attention_with_static_key_value(
   check_query_and_heads(
       query, keys, values, w_q, batch_first, "attention_with_static_key_value", "keys", "values",
       " (project the context again for this batch)");
+  check_dropout(dropout_p);
   const int64_t batch = query.size(batch_first ? 0 : 1);
   const int64_t num_heads = keys.size(1), src_len = keys.size(2);
   auto q = project_to_heads(query, w_q, b_q, num_heads, batch_first, "w_q");
@@ -301,10 +321,24 @@ void check_no_extra_key_positions(const MultiheadAttentionImpl& m, const char* m
       " does not support add_bias_kv or add_zero_attn (they append key positions a cache does not hold)");
 }
 
+// Keys and values split into heads some other way would pass every shape check of the ops
+// (only H * head_dim must match) and silently attend with the wrong heads.
+void check_heads_match(const MultiheadAttentionImpl& m, const Tensor& keys, const char* what) {
+  TORCHMHA_CHECK_ARG(
+      keys.dim() == 4 && keys.size(1) == m.options.num_heads() && keys.size(3) == m.head_dim,
+      "MultiheadAttention.forward_with_cache: ", what, " has keys of shape ", keys.sizes(),
+      " (batch, heads, length, head_dim), but the module has ", m.options.num_heads(), " heads of size ", m.head_dim);
+}
+
 }  // namespace
 
 Tensor MultiheadAttentionImpl::forward_with_cache(const Tensor& query, KeyValueCache& cache, const Tensor& key_padding_mask) {
   check_no_extra_key_positions(*this, "forward_with_cache");
+  TORCH_CHECK(
+      qkv_same_embed_dim, "MultiheadAttention.forward_with_cache with a KeyValueCache is self-attention, so it needs "
+      "kdim == vdim == embed_dim (", options.embed_dim(), "), but kdim is ", options.kdim().value_or(options.embed_dim()),
+      " and vdim ", options.vdim().value_or(options.embed_dim()));
+  check_heads_match(*this, cache.keys(), "the cache");
   auto p = in_projection_of(*this);
   return cache.attend(
       query, p.w_q, p.b_q, p.w_k, p.b_k, p.w_v, p.b_v, out_proj->weight, optional_if_defined(out_proj->bias),
@@ -316,6 +350,7 @@ Tensor MultiheadAttentionImpl::forward_with_cache(
     const StaticKeyValue& memory,
     const Tensor& key_padding_mask) {
   check_no_extra_key_positions(*this, "forward_with_cache");
+  check_heads_match(*this, memory.keys, "the projected memory");
   auto p = in_projection_of(*this);
   return attention_with_static_key_value(
       query, memory.keys, memory.values, p.w_q, p.b_q, out_proj->weight, optional_if_defined(out_proj->bias),

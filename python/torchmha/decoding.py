@@ -126,6 +126,16 @@ def _in_projection(module: nn.MultiheadAttention):
     return w_q, b_q, w_k, b_k, w_v, b_v
 
 
+def _check_heads_match(module: nn.MultiheadAttention, keys: Tensor, what: str) -> None:
+    # Keys split into heads some other way would pass every shape check of the ops (only
+    # heads * head_dim must match) and silently attend with the wrong heads.
+    if keys.dim() != 4 or keys.shape[1] != module.num_heads or keys.shape[3] != module.head_dim:
+        raise AssertionError(
+            f"MultiheadAttention.forward_with_cache: {what} has keys of shape {list(keys.shape)} "
+            f"(batch, heads, length, head_dim), but the module has {module.num_heads} heads of size {module.head_dim}"
+        )
+
+
 def forward_with_cache(
     module: nn.MultiheadAttention,
     query: Tensor,
@@ -148,16 +158,27 @@ def forward_with_cache(
     w_q, b_q, w_k, b_k, w_v, b_v = _in_projection(module)
     dropout_p, training, batch_first = module.dropout, module.training, module.batch_first
     if isinstance(cache, KeyValueCache):
+        _check_heads_match(module, cache.keys, "the cache")
+        if not module._qkv_same_embed_dim:
+            raise RuntimeError(
+                "MultiheadAttention.forward_with_cache with a KeyValueCache is self-attention, so it needs "
+                f"kdim == vdim == embed_dim ({module.embed_dim}), but kdim is {module.kdim} and vdim {module.vdim}"
+            )
         return cache.attend(
             query, w_q, b_q, w_k, b_k, w_v, b_v, module.out_proj.weight, module.out_proj.bias,
             key_padding_mask, dropout_p, training, batch_first,
         )
     if isinstance(cache, StaticKeyValue):
+        _check_heads_match(module, cache.keys, "the projected memory")
         return _ops.attention_with_static_key_value(
             query, cache.keys, cache.values, w_q, b_q, module.out_proj.weight, module.out_proj.bias,
             key_padding_mask, dropout_p, training, batch_first,
         )
-    raise TypeError(f"cache must be a torchmha.KeyValueCache or torchmha.StaticKeyValue, not {type(cache).__name__}")
+    cache_type = f"{type(cache).__module__}.{type(cache).__qualname__}"
+    raise TypeError(
+        f"cache must be a torchmha.KeyValueCache or torchmha.StaticKeyValue, not {cache_type} "
+        "(the torchmha.cpp classes go with torchmha.cpp modules)"
+    )
 
 
 def project_key_value(module: nn.MultiheadAttention, key: Tensor, value: Optional[Tensor] = None) -> StaticKeyValue:
@@ -214,6 +235,11 @@ class CrossAttention(nn.Module):
 
     def forward_with_cache(self, x: Tensor, context: StaticKeyValue, mask: Optional[Tensor] = None) -> Tensor:
         """``forward`` with the context already projected by :meth:`project_context`."""
+        if not isinstance(context, StaticKeyValue):
+            raise TypeError(
+                f"CrossAttention.forward_with_cache takes the context projected by project_context(context), "
+                f"not {type(context).__name__}"
+            )
         key_padding_mask = None
         if mask is not None:
             if mask.dtype != torch.bool:

@@ -103,6 +103,33 @@ TEST(KeyValueCache, FullOrWrongBatchThrowsAndKeepsLength) {
   EXPECT_THROW(with_bias_kv->forward_with_cache(torch::randn({1, 1, 8}), other), c10::Error);
 }
 
+TEST(KeyValueCache, OtherHeadSplitOrKdimIsRejected) {
+  // 2 heads of 4 in the module; 4 heads of 2 hold the same 8 features, which the ops alone accept.
+  auto mha = float64_attention(torchmha::MultiheadAttentionOptions(8, 2));
+  torch::NoGradGuard no_grad;
+  auto x = torch::randn({1, 1, 8}, f64());
+  torchmha::KeyValueCache four_heads(1, 4, 3, 2, f64());
+  try {
+    mha->forward_with_cache(x, four_heads);
+    FAIL() << "expected a head-split error";
+  } catch (const torchmha::ArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("the module has 2 heads of size 4"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(four_heads.length(), 0);
+  auto split_other_way = torch::randn({1, 4, 3, 2}, f64());
+  EXPECT_THROW(
+      mha->forward_with_cache(x, torchmha::StaticKeyValue{split_other_way, split_other_way}), torchmha::ArgumentError);
+  auto cross = float64_attention(torchmha::MultiheadAttentionOptions(8, 2).kdim(5).vdim(5));
+  auto cache = torchmha::KeyValueCache::for_module(*cross, 1, 3);
+  try {
+    cross->forward_with_cache(x, cache);
+    FAIL() << "expected a kdim error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("needs kdim == vdim == embed_dim (8), but kdim is 5"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(StaticKeyValue, MemoryProjectedOnceEqualsCrossAttention) {
   torch::manual_seed(2);
   auto mha = float64_attention(torchmha::MultiheadAttentionOptions(12, 3).kdim(5).vdim(7));

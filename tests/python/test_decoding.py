@@ -136,6 +136,53 @@ def test_unsupported_options_are_rejected():
     mha = torchmha.MultiheadAttention(E, H, add_bias_kv=True)
     with pytest.raises(RuntimeError, match="add_bias_kv"):
         mha.forward_with_cache(torch.randn(1, 1, E), torchmha.KeyValueCache.for_module(mha, 1, 2))
+    with pytest.raises(RuntimeError, match=r"needs kdim == vdim == embed_dim \(16\), but kdim is 5 and vdim 5"):
+        cross = torchmha.MultiheadAttention(E, H, kdim=5, vdim=5)
+        cross.forward_with_cache(torch.randn(1, 1, E), torchmha.KeyValueCache.for_module(cross, 1, 2))
+
+
+def test_keys_split_into_other_heads_are_rejected():
+    """H heads of E/H and 2H heads of E/(2H) hold the same features: the ops alone cannot tell
+    them apart, so the module checks its own split instead of attending with the wrong heads."""
+    mha = torchmha.MultiheadAttention(E, H)
+    x = torch.randn(1, 1, E)
+    message = rf"has keys of shape \[1, {2 * H}, 3, {E // H // 2}\] .* the module has {H} heads of size {E // H}"
+    cache = torchmha.KeyValueCache(1, 2 * H, 3, E // H // 2)
+    with torch.no_grad(), pytest.raises(AssertionError, match=message):
+        mha.forward_with_cache(x, cache)
+    assert cache.length == 0
+    memory = torchmha.StaticKeyValue(torch.randn(1, 2 * H, 3, E // H // 2), torch.randn(1, 2 * H, 3, E // H // 2))
+    with torch.no_grad(), pytest.raises(AssertionError, match="the projected memory"):
+        mha.forward_with_cache(x, memory)
+
+
+def test_cache_of_another_dtype_is_rejected_before_it_is_written():
+    _, ours = mha_pair(E, H)  # float64
+    cache = torchmha.KeyValueCache(N, H, 4, E // H, dtype=torch.float32)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"cache must have query's dtype and device \(Double"):
+        ours.forward_with_cache(torch.randn(1, N, E, dtype=torch.float64), cache)
+    assert cache.length == 0 and not cache.keys.any()
+
+
+def test_a_cache_of_the_cpp_classes_is_named_as_such():
+    mha = torchmha.MultiheadAttention(E, H)
+    cpp_cache = torchmha.cpp.KeyValueCache(1, H, 2, E // H)
+    with pytest.raises(TypeError, match=r"not torchmha\._C\.cpp\.KeyValueCache \(the torchmha\.cpp classes"):
+        mha.forward_with_cache(torch.randn(1, 1, E), cpp_cache)
+
+
+def test_cross_attention_cache_step_needs_the_projected_context():
+    attn = torchmha.CrossAttention(8, heads=2, dim_head=4)
+    with pytest.raises(TypeError, match=r"project_context\(context\), not Tensor"):
+        attn.forward_with_cache(torch.randn(1, 2, 8), torch.randn(1, 3, 8))
+
+
+def test_cached_op_rejects_projections_that_do_not_fit_the_cache():
+    w = torch.randn(E, E)
+    with pytest.raises(AssertionError, match=r"expected w_k of shape \(16, 16\) like w_q, but got w_k of shape \[8, 16\]"):
+        torch.ops.torchmha.attention_with_cache(
+            torch.randn(1, 1, E), torch.zeros(1, H, 4, E // H), torch.zeros(1, H, 4, E // H), 0,
+            w, None, w[:8], None, w, None, w, None)
 
 
 # ------------------------------------------------------------------ cross-attention cache
