@@ -251,8 +251,8 @@ KeyValueCache::KeyValueCache(
 }
 
 KeyValueCache KeyValueCache::for_module(const MultiheadAttentionImpl& attention, int64_t batch_size, int64_t max_length) {
-  const Tensor& weight = attention.qkv_same_embed_dim ? attention.in_proj_weight : attention.q_proj_weight;
-  return KeyValueCache(batch_size, attention.options.num_heads(), max_length, attention.head_dim, weight.options());
+  return KeyValueCache(
+      batch_size, attention.options.num_heads(), max_length, attention.head_dim, attention.out_proj->weight.options());
 }
 
 void KeyValueCache::reset() {

@@ -127,7 +127,8 @@ Tensor pad_last_dim(const Tensor& mask) {
   return mask.defined() ? at::constant_pad_nd(mask, {0, 1}, 0) : mask;
 }
 
-// Appends one position to (N, H, len, head_dim) from `row` of shape (1, 1, E) = (1, 1, H * head_dim).
+// Appends one position to (N, H, len, head_dim) from `row` (bias_k or bias_v) of shape
+// (1, 1, E) = (1, 1, H * head_dim).
 Tensor append_position(const Tensor& heads, const Tensor& row) {
   const int64_t N = heads.size(0), H = heads.size(1), head_dim = heads.size(3);
   return at::cat({heads, row.reshape({1, H, 1, head_dim}).expand({N, H, 1, head_dim})}, 2);
@@ -341,11 +342,9 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
       "is_causal=True is a hint that attn_mask is causal and needs attn_mask too; build one with "
       "torch.nn.Transformer.generate_square_subsequent_mask(L)");
   // Without a padding mask or weights, SDPA applies causality itself and the slow path never reads
-  // the mask (torch does not even check its shape); the fused fast path still uses it.
+  // the mask (torch does not even check its shape); the fused fast path still uses it. Otherwise
+  // the mask is applied as given (merged with a padding mask it is no longer just causal).
   const bool causal_replaces_mask = is_causal && !kpm.defined() && !need_weights;
-  if (!causal_replaces_mask) {
-    is_causal = is_causal && !kpm.defined();  // a merged padding mask is no longer causal
-  }
   TORCHMHA_CHECK_ARG(
       query.size(2) == embed_dim, "was expecting query of embedding size ", embed_dim,
       ", but got query of shape ", query_in.sizes());
@@ -465,10 +464,9 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
     attn_mask = pad_last_dim(attn_mask);
     kpm = pad_last_dim(kpm);
   }
-  if (add_zero_attn) {
-    auto zeros = at::zeros({1, 1, embed_dim}, k.options());
-    k = append_position(k, zeros);
-    v = append_position(v, zeros);
+  if (add_zero_attn) {  // one all-zero key/value position: a zero pad of the length dimension
+    k = at::constant_pad_nd(k, {0, 0, 0, 1}, 0);
+    v = at::constant_pad_nd(v, {0, 0, 0, 1}, 0);
     attn_mask = pad_last_dim(attn_mask);
     kpm = pad_last_dim(kpm);
   }
@@ -518,7 +516,7 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
     }
   } else {
     attn_output = at::scaled_dot_product_attention(
-        q, k, v, attn_mask.defined() ? std::optional<Tensor>(attn_mask) : std::nullopt, p, is_causal);
+        q, k, v, detail::optional_if_defined(attn_mask), p, /*is_causal=*/causal_replaces_mask);
   }
   auto output = at::linear(merge_heads(attn_output, batch_first), out_proj_weight, out_proj_bias);
   if (!batched) {

@@ -6,6 +6,7 @@
 #include <torchmha/attention_versions.h>
 #include <torchmha/decoding.h>
 #include <torchmha/errors.h>
+#include <torchmha/functional.h>
 #include <torchmha/multihead_attention.h>
 #include <torchmha/serialization.h>
 
@@ -15,10 +16,6 @@
 namespace py = pybind11;
 
 namespace {
-
-std::optional<at::Tensor> none_if_undefined(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
 
 void bind_cpp_modules(py::module_& m) {
   using namespace torchmha;
@@ -97,7 +94,7 @@ void bind_cpp_modules(py::module_& m) {
             auto [output, weights] = self.forward(
                 query, key, value, key_padding_mask.value_or(at::Tensor()), need_weights,
                 attn_mask.value_or(at::Tensor()), average_attn_weights, is_causal);
-            return std::make_tuple(output, none_if_undefined(weights));
+            return std::make_tuple(output, torchmha::detail::optional_if_defined(weights));
           },
           arg("query"), arg("key"), arg("value"), arg("key_padding_mask") = py::none(),
           arg("need_weights") = true, arg("attn_mask") = py::none(), arg("average_attn_weights") = true,
