@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import torchmha
-from conftest import TOLERANCE, assert_close, mha_pair
+from conftest import assert_close, mha_pair
 
 CONFIGS = [
     dict(embed_dim=8, num_heads=2),

@@ -54,7 +54,6 @@ def assert_same_behaviour(ref_fn, our_fn, context="", ref_without_empty_masks=No
             assert a is not None and a.shape == b.shape, context
             if b.is_meta or b.numel() == 0:
                 continue
-            assert torch.equal(a.isnan(), b.isnan()), f"NaN pattern differs ({context})"
             tol = TOLERANCE.get(b.dtype, 1e-2)
             torch.testing.assert_close(a, b, atol=tol, rtol=tol, equal_nan=True, msg=context)
         else:
@@ -151,7 +150,6 @@ def test_catalogue_construction(name):
 def version_calls():
     """Bad calls of v1-v4 and the projections, with torch's equivalent call."""
     x, kv = x3(), x3(5)
-    w, b = torch.randn(3 * E, E), torch.randn(3 * E)
     return {
         "v1 4-D input": (lambda m: m(x[None]), 1, {}),
         "v1 wrong embedding": (lambda m: m(x3(e=6)), 1, {}),
@@ -328,10 +326,12 @@ def test_fully_masked_gradients_like_torch():
     torch.testing.assert_close(grads[3], grads[1], equal_nan=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16])
 @pytest.mark.parametrize("need_weights", [True, False])
 def test_low_precision_softmax_is_stable(dtype, need_weights):
-    """Large scores in half precision: no overflow to inf/NaN, error within torch's own."""
+    """Large scores in half precision: no overflow to inf/NaN, error within torch's own. (Not
+    bfloat16: its float32 exponent range cannot overflow here, and at these scores its error bound
+    is too wide to catch a bug; test_bfloat16_error_within_torchs_own covers it.)"""
     ref64, _ = mha_pair(32, 4)
     ref_low = copy.deepcopy(ref64).to(dtype)
     ours_low = torchmha.MultiheadAttention(32, 4, dtype=dtype)
