@@ -1,60 +1,80 @@
 # Quick start:  make demo   (set up, build, run the parity/speed demo)
-#               make test   (set up, build, run every C++ and Python test)
+#               make test   (set up, build, run every C++ and Python test: what CI runs)
+# Inner loop:   make check  (incremental build, ctest, pytest without the sanitizer, fuzz and
+#                            package stages; a few minutes warm)
 PYTHON ?= python3
-BUILD_DIR ?= build
-export TORCHMHA_BUILD_DIR := $(abspath $(BUILD_DIR))
+NPROC := $(shell nproc)
+# For CMakePresets.json: where torch's CMake package is, and the interpreter to build for. Read
+# once per make; targets that install torch first (demo, test) run the rest in a sub-make.
+export TORCH_CMAKE_PREFIX_PATH := $(shell $(PYTHON) -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null)
+export TORCHMHA_PYTHON := $(shell command -v $(PYTHON))
+export TORCHMHA_BUILD_DIR := $(abspath build)
 
-.PHONY: deps build demo test test-cpp test-python test-package test-distributed test-sanitizers test-fuzz bench clean
+.PHONY: deps build demo run-demo check test test-cpp test-python test-package test-distributed test-sanitizers test-fuzz bench clean
 
+# Once per machine (make demo and make test run it): torch, the test packages, CMake, GoogleTest, clang.
 deps:
 	PYTHON=$(PYTHON) bash scripts/install_deps.sh
 
-# One CMake tree (build/) for the extension, the C++ library and the GoogleTest binaries.
-build: deps
-	$(PYTHON) -m pip install --no-build-isolation --no-deps -e .
-	cmake --build $(BUILD_DIR) -j $$(nproc)
+# Incremental. The first build configures build/ (preset "default") and installs the package in
+# editable mode; later ones rebuild what changed and put _C and libtorchmha beside the sources.
+build:
+	@test -f build/CMakeCache.txt || cmake --preset default
+	cmake --build --preset default -j $(NPROC)
+	@$(PYTHON) -c "import torchmha" 2>/dev/null || $(PYTHON) -m pip install --no-build-isolation --no-deps -e .
+	@for lib in build/_C*.so build/libtorchmha.so; do \
+	  cmp -s $$lib python/torchmha/$$(basename $$lib) || { rm -f python/torchmha/$$(basename $$lib); cp $$lib python/torchmha/; }; \
+	done
 
-demo: build
+demo: deps
+	$(MAKE) run-demo
+
+run-demo: build
 	$(PYTHON) examples/demo.py
 
 test-cpp: build
-	ctest --test-dir $(BUILD_DIR) --output-on-failure --no-tests=error
+	ctest --preset default
 
 # The C++ package as a user gets it: install it under build/install, build examples/cpp against
 # that prefix (a project outside this tree), run it. Its checkpoint is checked from Python by
-# tests/python/test_checkpoints_cpp.py, which finds the binary through TORCHMHA_CPP_EXAMPLE.
-INSTALL_PREFIX := $(abspath $(BUILD_DIR))/install
-EXAMPLE_BUILD_DIR := $(abspath $(BUILD_DIR))/example
+# tests/python/test_serialization.py, which finds the binary through TORCHMHA_CPP_EXAMPLE.
+INSTALL_PREFIX := $(abspath build)/install
+EXAMPLE_BUILD_DIR := $(abspath build)/example
 export TORCHMHA_CPP_EXAMPLE := $(EXAMPLE_BUILD_DIR)/reverse_sequence
 
 test-package: build
-	cmake --install $(BUILD_DIR) --prefix $(INSTALL_PREFIX)
-	cmake -S examples/cpp -B $(EXAMPLE_BUILD_DIR) \
-	  -DCMAKE_PREFIX_PATH="$(INSTALL_PREFIX);$$($(PYTHON) -c 'import torch;print(torch.utils.cmake_prefix_path)')"
-	cmake --build $(EXAMPLE_BUILD_DIR) -j $$(nproc)
+	cmake --install build --prefix $(INSTALL_PREFIX)
+	cmake -S examples/cpp -B $(EXAMPLE_BUILD_DIR) -DCMAKE_PREFIX_PATH="$(INSTALL_PREFIX);$(TORCH_CMAKE_PREFIX_PATH)"
+	cmake --build $(EXAMPLE_BUILD_DIR) -j $(NPROC)
 	cd $(EXAMPLE_BUILD_DIR) && ./reverse_sequence
 
 test-python: build test-package
 	$(PYTHON) -m pytest tests/python
 
-# Only the two-process DDP/FSDP tests (also part of test-python).
+# The inner loop: a smaller hypothesis budget, no distributed processes, no package install.
+check: build
+	ctest --preset default
+	TORCHMHA_HYPOTHESIS=dev $(PYTHON) -m pytest tests/python -q -x -m "not slow"
+
+# Only the multi-process DDP/FSDP tests (also part of test-python).
 test-distributed: build
 	$(PYTHON) -m pytest tests/python/test_distributed.py
 
 # The C++ library and GoogleTest suite under ASan+UBSan+LSan and under TSan (build-asan/, build-tsan/).
-test-sanitizers: deps
+test-sanitizers:
 	PYTHON=$(PYTHON) bash scripts/run_sanitizers.sh
 
 # libFuzzer on the C++ entry points for FUZZ_SECONDS (default 60), clang + ASan (build-fuzz/).
 FUZZ_SECONDS ?= 60
-test-fuzz: deps
+test-fuzz:
 	PYTHON=$(PYTHON) FUZZ_SECONDS=$(FUZZ_SECONDS) bash scripts/run_fuzzer.sh
 
-test: test-cpp test-package test-python test-sanitizers test-fuzz
+test: deps
+	$(MAKE) test-cpp test-package test-python test-sanitizers test-fuzz
 
 bench: build
 	$(PYTHON) benchmarks/run.py --quick
 	$(PYTHON) benchmarks/bench_decoding.py --quick --threads 1
 
 clean:
-	rm -rf $(BUILD_DIR) build-asan build-tsan build-fuzz python/torchmha/*.so
+	rm -rf build build-asan build-tsan build-fuzz python/torchmha/*.so

@@ -1,8 +1,9 @@
 """Builds torchmha's C++ library and Python extension with CMake, against the installed torch.
 
 Install with `pip install --no-build-isolation -e .` (build isolation would fetch another torch).
-The CMake build tree is build/ (TORCHMHA_BUILD_DIR to change it): the same tree holds the
-GoogleTest binaries, so `ctest --test-dir build` runs them, and rebuilds are incremental.
+The CMake build tree is build/ (TORCHMHA_BUILD_DIR to change it), the tree of the "default"
+preset in CMakePresets.json: it also holds the GoogleTest binaries, so `make check` and
+`ctest --preset default` use it, and rebuilds are incremental.
 """
 
 import os
@@ -15,6 +16,7 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+VERSION = (ROOT / "VERSION").read_text().strip()  # the one version source (CMake reads it too)
 
 
 class CMakeExtension(Extension):
@@ -57,7 +59,7 @@ class CMakeBuild(build_ext):
 
 setup(
     name="torchmha",
-    version="0.1.0",
+    version=VERSION,
     description="PyTorch's multi-head attention reimplemented in C++ (LibTorch), drop-in for torch.nn.MultiheadAttention",
     package_dir={"": "python"},
     packages=find_packages("python"),

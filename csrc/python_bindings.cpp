@@ -1,14 +1,13 @@
 // torchmha._C: the Python extension. It loads libtorchmha (which registers torch.ops.torchmha.*),
 // maps torchmha's ArgumentError to Python's AssertionError (the type torch raises for the same
-// input), and exposes the C++ modules themselves for C++ interop (torchmha.cpp).
+// input), gives the Python classes the core's construction-time rules (so each lives once, in
+// C++), and exposes the C++ modules themselves for C++ interop (torchmha.cpp).
 // The user-facing Python classes are plain nn.Modules in python/torchmha, not these bindings.
 
-#include <torchmha/attention_versions.h>
-#include <torchmha/decoding.h>
-#include <torchmha/errors.h>
-#include <torchmha/functional.h>
-#include <torchmha/multihead_attention.h>
-#include <torchmha/serialization.h>
+#include <torchmha/torchmha.h>
+
+#include "core/checks.h"
+#include "core/layers.h"
 
 #include <torch/extension.h>
 #include <torch/python.h>
@@ -16,6 +15,28 @@
 namespace py = pybind11;
 
 namespace {
+
+// Construction-time rules of the core, for the Python classes' constructors (never traced, so
+// plain functions rather than ops).
+void bind_rules(py::module_& m) {
+  using py::arg;
+  namespace core = torchmha::core;
+  m.def("_check_module_sizes", &core::check_module_sizes, arg("embed_dim"), arg("num_heads"), arg("kdim") = -1,
+        arg("vdim") = -1);
+  m.def("_check_cross_attention_sizes", &core::check_cross_attention_sizes, arg("query_dim"), arg("context_dim"),
+        arg("heads"), arg("dim_head"));
+  m.def("_check_forward_expansion", &core::check_forward_expansion, arg("forward_expansion"));
+  m.def(
+      "_key_value_cache",
+      [](int64_t batch_size, int64_t num_heads, int64_t max_length, int64_t head_dim,
+         std::optional<at::ScalarType> dtype, std::optional<at::Device> device) {
+        torchmha::KeyValueCache cache(
+            batch_size, num_heads, max_length, head_dim, at::TensorOptions().dtype(dtype).device(device));
+        return std::make_tuple(cache.keys(), cache.values());
+      },
+      arg("batch_size"), arg("num_heads"), arg("max_length"), arg("head_dim"), arg("dtype") = py::none(),
+      arg("device") = py::none());
+}
 
 void bind_cpp_modules(py::module_& m) {
   using namespace torchmha;
@@ -94,11 +115,28 @@ void bind_cpp_modules(py::module_& m) {
             auto [output, weights] = self.forward(
                 query, key, value, key_padding_mask.value_or(at::Tensor()), need_weights,
                 attn_mask.value_or(at::Tensor()), average_attn_weights, is_causal);
-            return std::make_tuple(output, torchmha::detail::optional_if_defined(weights));
+            return std::make_tuple(output, torchmha::core::optional_if_defined(weights));
           },
           arg("query"), arg("key"), arg("value"), arg("key_padding_mask") = py::none(),
           arg("need_weights") = true, arg("attn_mask") = py::none(), arg("average_attn_weights") = true,
-          arg("is_causal") = false);
+          arg("is_causal") = false)
+      .def(
+          "forward_with_cache",
+          [](MultiheadAttentionImpl& self, const at::Tensor& query, py::object cache,
+             const std::optional<at::Tensor>& key_padding_mask) {
+            const at::Tensor mask = key_padding_mask.value_or(at::Tensor());
+            if (py::isinstance<KeyValueCache>(cache)) {
+              return self.forward_with_cache(query, cache.cast<KeyValueCache&>(), mask);
+            }
+            return self.forward_with_cache(query, cache.cast<const StaticKeyValue&>(), mask);
+          },
+          arg("query"), arg("cache"), arg("key_padding_mask") = py::none())
+      .def(
+          "project_key_value",
+          [](MultiheadAttentionImpl& self, const at::Tensor& key, const std::optional<at::Tensor>& value) {
+            return self.project_key_value(key, value.value_or(at::Tensor()));
+          },
+          arg("key"), arg("value") = py::none());
 
   // The C++ checkpoint functions, so Python can check what C++ programs write and read.
   m.def(
@@ -111,10 +149,8 @@ void bind_cpp_modules(py::module_& m) {
       arg("module"), arg("path"));
 }
 
-
-// Decoding (decoding.h): the caches, CrossAttention, TransformerBlock, and MultiheadAttention's
-// cached forward added to the class bound above.
-void bind_decoding(py::module_& m) {
+// Decoding caches (kv_cache.h), bound before the modules whose methods take them.
+void bind_caches(py::module_& m) {
   using namespace torchmha;
   using py::arg;
 
@@ -147,29 +183,12 @@ void bind_decoding(py::module_& m) {
       .def_property_readonly("length", &KeyValueCache::length)
       .def_property_readonly("batch_size", &KeyValueCache::batch_size)
       .def_property_readonly("max_length", &KeyValueCache::max_length);
+}
 
-  // bind_module puts the bound C++ class in the nested `cpp` submodule (the top-level name is a
-  // torch.nn.cpp.ModuleWrapper that copies its methods), so the methods go on that class.
-  py::object mha = m.attr("cpp").attr("MultiheadAttention");
-  auto mha_method = [&](const char* name, py::cpp_function fn) { py::setattr(mha, name, fn); };
-  mha_method(
-      "forward_with_cache",
-      py::cpp_function(
-          [](MultiheadAttentionImpl& self, const at::Tensor& query, py::object cache,
-             const std::optional<at::Tensor>& key_padding_mask) {
-            const at::Tensor mask = key_padding_mask.value_or(at::Tensor());
-            if (py::isinstance<KeyValueCache>(cache)) {
-              return self.forward_with_cache(query, cache.cast<KeyValueCache&>(), mask);
-            }
-            return self.forward_with_cache(query, cache.cast<const StaticKeyValue&>(), mask);
-          },
-          py::is_method(mha), py::name("forward_with_cache"), arg("query"), arg("cache"),
-          arg("key_padding_mask") = py::none()));
-  mha_method(
-      "project_key_value",
-      py::cpp_function(
-          &MultiheadAttentionImpl::project_key_value, py::is_method(mha), py::name("project_key_value"), arg("key"),
-          arg("value")));
+// The article's layers (cross_attention.h, transformer_block.h).
+void bind_layers(py::module_& m) {
+  using namespace torchmha;
+  using py::arg;
 
   torch::python::bind_module<CrossAttentionImpl>(m, "CrossAttention")
       .def(
@@ -231,7 +250,10 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
+  m.attr("__version__") = TORCHMHA_VERSION;
+  bind_rules(m);
   auto cpp = m.def_submodule("cpp", "The C++ modules, bound with torch::python::bind_module.");
+  bind_caches(cpp);
   bind_cpp_modules(cpp);
-  bind_decoding(cpp);
+  bind_layers(cpp);
 }

@@ -1,9 +1,12 @@
 // The one place torchmha's ops are registered with the dispatcher (torch.ops.torchmha.*).
 // This translation unit lives in libtorchmha, which the Python extension and C++ programs both
-// load, so TORCH_LIBRARY runs once per process. The kernels are CompositeImplicitAutograd: written
-// in differentiable ATen ops, they get autograd, fake/meta tensors and torch.compile for free.
+// load, so TORCH_LIBRARY runs once per process. Each op is a function of the functional API
+// (functional.h). The kernels are CompositeImplicitAutograd: written in differentiable ATen ops,
+// they get autograd, fake/meta tensors and torch.compile for free.
+//
+// The module parameters come in torch.nn.MultiheadAttention's form in every attention op:
+// in_proj_weight or q/k/v_proj_weight, in_proj_bias, bias_k, bias_v, add_zero_attn, out_proj.
 
-#include <torchmha/decoding.h>
 #include <torchmha/functional.h>
 
 #include <torch/library.h>
@@ -23,22 +26,39 @@ TORCH_LIBRARY(torchmha, m) {
       "bool training=True, Tensor? key_padding_mask=None, bool need_weights=True, "
       "Tensor? attn_mask=None, Tensor? q_proj_weight=None, Tensor? k_proj_weight=None, "
       "Tensor? v_proj_weight=None, bool average_attn_weights=True, bool is_causal=False, "
-      "bool batch_first=False, bool allow_fast_path=False) -> (Tensor, Tensor)",
+      "bool batch_first=False, bool allow_fast_path=False, Tensor? q_proj_bias=None, "
+      "Tensor? k_proj_bias=None, Tensor? v_proj_bias=None) -> (Tensor, Tensor)",
       TORCH_FN(torchmha::multi_head_attention_forward));
-  // Decoding (decoding.h). attention_with_cache writes the step's keys and values into the
-  // caches in place, which the schema declares (a!)/(b!).
+  // Decoding. attention_with_cache writes the step's keys and values into the caches in place,
+  // which the schema declares (a!)/(b!).
   m.def(
       "attention_with_cache(Tensor query, Tensor(a!) k_cache, Tensor(b!) v_cache, SymInt cache_length, "
-      "Tensor w_q, Tensor? b_q, Tensor w_k, Tensor? b_k, Tensor w_v, Tensor? b_v, Tensor w_out, Tensor? b_out, "
-      "Tensor? key_padding_mask=None, float dropout_p=0., bool training=False, bool batch_first=False) -> Tensor",
+      "int num_heads, Tensor? in_proj_weight, Tensor? in_proj_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
+      "Tensor? key_padding_mask=None, float dropout_p=0., bool training=False, bool batch_first=False, "
+      "Tensor? q_proj_weight=None, Tensor? k_proj_weight=None, Tensor? v_proj_weight=None, "
+      "Tensor? bias_k=None, Tensor? bias_v=None, bool add_zero_attn=False) -> Tensor",
       TORCH_FN(torchmha::attention_with_cache));
   m.def(
-      "project_key_value(Tensor key, Tensor value, int num_heads, Tensor w_k, Tensor? b_k, Tensor w_v, "
-      "Tensor? b_v, bool batch_first=False) -> (Tensor, Tensor)",
+      "project_key_value(Tensor key, Tensor? value, int num_heads, Tensor? in_proj_weight, Tensor? in_proj_bias, "
+      "Tensor? k_proj_weight=None, Tensor? v_proj_weight=None, bool batch_first=False, Tensor? bias_k=None, "
+      "Tensor? bias_v=None, bool add_zero_attn=False) -> (Tensor, Tensor)",
       TORCH_FN(torchmha::project_key_value));
   m.def(
-      "attention_with_static_key_value(Tensor query, Tensor keys, Tensor values, Tensor w_q, Tensor? b_q, "
-      "Tensor w_out, Tensor? b_out, Tensor? key_padding_mask=None, float dropout_p=0., bool training=False, "
-      "bool batch_first=False) -> Tensor",
+      "attention_with_static_key_value(Tensor query, Tensor keys, Tensor values, int num_heads, "
+      "Tensor? in_proj_weight, Tensor? in_proj_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
+      "Tensor? key_padding_mask=None, float dropout_p=0., bool training=False, bool batch_first=False, "
+      "Tensor? q_proj_weight=None, Tensor? bias_k=None, Tensor? bias_v=None, bool add_zero_attn=False) -> Tensor",
       TORCH_FN(torchmha::attention_with_static_key_value));
+  // The article's layers (cross_attention.h, transformer_block.h).
+  m.def(
+      "cross_attention(Tensor x, Tensor keys, Tensor values, int heads, Tensor to_q_weight, Tensor to_out_weight, "
+      "Tensor? to_out_bias, Tensor? mask=None, bool training=False) -> Tensor",
+      TORCH_FN(torchmha::cross_attention));
+  m.def(
+      "transformer_block(Tensor x, int num_heads, Tensor in_proj_weight, Tensor? in_proj_bias, "
+      "Tensor out_proj_weight, Tensor? out_proj_bias, Tensor linear1_weight, Tensor? linear1_bias, "
+      "Tensor linear2_weight, Tensor? linear2_bias, Tensor norm1_weight, Tensor norm1_bias, Tensor norm2_weight, "
+      "Tensor norm2_bias, float layer_norm_eps, float attention_dropout, float dropout, bool norm_first, "
+      "bool training, Tensor? attn_mask=None, Tensor? key_padding_mask=None, bool allow_fast_path=False) -> Tensor",
+      TORCH_FN(torchmha::transformer_block));
 }

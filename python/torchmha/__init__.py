@@ -12,21 +12,16 @@ torch.nn.Modules that own their parameters and call it.
 
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
-from . import _C  # noqa: F401  (registers torch.ops.torchmha.*)
-from . import cpp
-from .decoding import CrossAttention, KeyValueCache, StaticKeyValue, TransformerBlock
+from . import _C, cpp
+from .cross_attention import CrossAttention
 from .functional import in_projection, in_projection_packed, multi_head_attention_forward
-from .modules import (
-    MultiheadAttention,
-    MultiheadAttentionV1,
-    MultiheadAttentionV2,
-    MultiheadAttentionV3,
-    MultiheadAttentionV4,
-    replace_multihead_attention,
-)
+from .kv_cache import KeyValueCache, StaticKeyValue
+from .multihead_attention import MultiheadAttention, replace_multihead_attention
 from .plotting import plot_attention, plot_module_attention
+from .transformer_block import TransformerBlock
+from .versions import MultiheadAttentionV1, MultiheadAttentionV2, MultiheadAttentionV3, MultiheadAttentionV4
 
-__version__ = "0.1.0"
+__version__: str = _C.__version__  # from the repository's VERSION file, through CMake
 
 __all__ = [
     "CrossAttention",

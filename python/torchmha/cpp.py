@@ -14,7 +14,7 @@ MultiheadAttentionV1 = _cpp.MultiheadAttentionV1
 MultiheadAttentionV2 = _cpp.MultiheadAttentionV2
 MultiheadAttentionV3 = _cpp.MultiheadAttentionV3
 MultiheadAttentionV4 = _cpp.MultiheadAttentionV4
-# Decoding (decoding.h)
+# Decoding caches and layers (kv_cache.h, cross_attention.h, transformer_block.h)
 CrossAttention = _cpp.CrossAttention
 TransformerBlock = _cpp.TransformerBlock
 KeyValueCache = _cpp.KeyValueCache

@@ -3,12 +3,9 @@
 import warnings
 from typing import Optional
 
-import torch
 from torch import Tensor
 
-from . import _C  # noqa: F401  (registers the ops)
-
-_ops = torch.ops.torchmha
+from ._ops import ops
 
 
 def warn_if_mask_dtypes_differ(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor]) -> None:
@@ -27,7 +24,7 @@ def in_projection_packed(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Optional
     weight (3E, E) and bias (3E). The case (self-attention when q, k and v are the same tensor,
     encoder-decoder when only k and v are, else three projections) is chosen by tensor identity.
     Returns a tuple (q', k', v')."""
-    return tuple(_ops.in_projection_packed(q, k, v, w, b))
+    return tuple(ops.in_projection_packed(q=q, k=k, v=v, w=w, b=b))
 
 
 def in_projection(
@@ -43,7 +40,7 @@ def in_projection(
 ):
     """Same as ``torch.nn.functional._in_projection``: three projections with separate weights
     w_q (Eq, Eq), w_k (Eq, Ek), w_v (Eq, Ev). Returns a tuple (q', k', v')."""
-    return tuple(_ops.in_projection(q, k, v, w_q, w_k, w_v, b_q, b_k, b_v))
+    return tuple(ops.in_projection(q=q, k=k, v=v, w_q=w_q, w_k=w_k, w_v=w_v, b_q=b_q, b_k=b_k, b_v=b_v))
 
 
 def multi_head_attention_forward(
@@ -83,8 +80,11 @@ def multi_head_attention_forward(
         in_proj_weight = None
     else:
         q_proj_weight = k_proj_weight = v_proj_weight = None
-    return _ops.multi_head_attention_forward.default(
-        query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias, bias_k, bias_v,
-        add_zero_attn, dropout_p, out_proj_weight, out_proj_bias, training, key_padding_mask, need_weights,
-        attn_mask, q_proj_weight, k_proj_weight, v_proj_weight, average_attn_weights, is_causal, False, False,
+    return ops.multi_head_attention_forward(
+        query=query, key=key, value=value, embed_dim=embed_dim_to_check, num_heads=num_heads,
+        in_proj_weight=in_proj_weight, in_proj_bias=in_proj_bias, bias_k=bias_k, bias_v=bias_v,
+        add_zero_attn=add_zero_attn, dropout_p=dropout_p, out_proj_weight=out_proj_weight,
+        out_proj_bias=out_proj_bias, training=training, key_padding_mask=key_padding_mask,
+        need_weights=need_weights, attn_mask=attn_mask, q_proj_weight=q_proj_weight, k_proj_weight=k_proj_weight,
+        v_proj_weight=v_proj_weight, average_attn_weights=average_attn_weights, is_causal=is_causal,
     )

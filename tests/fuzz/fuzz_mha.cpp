@@ -8,6 +8,9 @@
 #include <ATen/ATen.h>
 
 #include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <cstdint>
 #include <optional>
 
@@ -118,8 +121,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     } else {
       fuzz_one_call(choices);
     }
-  } catch (const c10::Error&) {
-    // Rejected bad input with torchmha's or ATen's error: the expected outcome.
+  } catch (const c10::Error& e) {
+    // Rejected bad input with torchmha's or ATen's error: the expected outcome. An internal
+    // assertion (TORCH_INTERNAL_ASSERT) is a bug, not a rejection: crash so libFuzzer keeps the input.
+    if (std::strstr(e.what_without_backtrace(), "INTERNAL ASSERT FAILED") != nullptr) {
+      std::fprintf(stderr, "internal assertion: %s\n", e.what_without_backtrace());
+      std::abort();
+    }
   }
   return 0;
 }

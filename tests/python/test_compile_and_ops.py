@@ -104,22 +104,39 @@ def test_functional_api_matches_torch():
 
 
 def decoding_samples():
-    """The decoding ops: key/value projection, attention over a static context, and a cached step
-    (which writes into its caches in place, as its schema declares)."""
+    """The decoding and layer ops: key/value projection (packed and separate weights), attention
+    over a static context, a cached step (which writes into its caches in place, as its schema
+    declares), CrossAttention's and TransformerBlock's forward."""
     N, H, D, E, max_len = 2, 2, 4, 8, 6
     f64 = dict(dtype=torch.float64)
-    w = [torch.randn(E, E, **f64, requires_grad=True) for _ in range(4)]
-    b = [torch.randn(E, **f64, requires_grad=True) for _ in range(4)]
+
+    def param(*shape):
+        return torch.randn(*shape, **f64, requires_grad=True)
+
+    w_in, b_in, w_out, b_out = param(3 * E, E), param(3 * E), param(E, E), param(E)
+    w_k, w_v = param(E, 5), param(E, 3)
     query = torch.randn(1, N, E, **f64, requires_grad=True)
     context = torch.randn(5, N, E, **f64)
     keys, values = torch.randn(N, H, 5, D, **f64), torch.randn(N, H, 5, D, **f64)
     ops = torch.ops.torchmha
+    block = dict(
+        linear1_weight=param(2 * E, E), linear1_bias=param(2 * E), linear2_weight=param(E, 2 * E),
+        linear2_bias=param(E), norm1_weight=param(E), norm1_bias=param(E), norm2_weight=param(E),
+        norm2_bias=param(E), layer_norm_eps=1e-5, attention_dropout=0.0, dropout=0.0, norm_first=False,
+        training=False,
+    )
     return [
-        (ops.project_key_value.default, (context, context, H, w[1], b[1], w[2], b[2]), {}),
-        (ops.attention_with_static_key_value.default, (query, keys, values, w[0], b[0], w[3], b[3]), {}),
+        (ops.project_key_value.default, (context, None, H, w_in, b_in), {}),
+        (ops.project_key_value.default, (torch.randn(5, N, 5, **f64), torch.randn(5, N, 3, **f64), H, None, b_in),
+         {"k_proj_weight": w_k, "v_proj_weight": w_v}),
+        (ops.attention_with_static_key_value.default, (query, keys, values, H, w_in, b_in, w_out, b_out), {}),
         (ops.attention_with_cache.default,
-         (query.detach(), torch.zeros(N, H, max_len, D, **f64), torch.zeros(N, H, max_len, D, **f64), 2,
-          *(t.detach() for t in (w[0], b[0], w[1], b[1], w[2], b[2], w[3], b[3]))), {}),
+         (query.detach(), torch.zeros(N, H, max_len, D, **f64), torch.zeros(N, H, max_len, D, **f64), 2, H,
+          *(t.detach() for t in (w_in, b_in, w_out, b_out))), {}),
+        (ops.cross_attention.default, (query.transpose(0, 1), keys, values, H, param(E, E), w_out, b_out),
+         {"mask": torch.rand(N, 5) > 0.2}),
+        (ops.transformer_block.default, (torch.randn(N, 3, E, **f64, requires_grad=True), H, w_in, b_in, w_out, b_out),
+         block),
     ]
 
 

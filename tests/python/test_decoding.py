@@ -124,7 +124,7 @@ def test_full_cache_and_wrong_batch_raise_clearly_and_leave_cache_unchanged():
         assert cache.length == 3
         with pytest.raises(AssertionError, match=r"key_padding_mask of shape \(3, 4\)"):
             ours.forward_with_cache(torch.randn(1, N, E, dtype=torch.float64), cache, torch.zeros(N, 1, dtype=torch.bool))
-        with pytest.raises(RuntimeError, match=r"float key_padding_mask must have the dtype of query \(Double\), but got Float"):
+        with pytest.raises(RuntimeError, match=r"float masks must have the dtype of query \(Double\), but the masks given combine to Float"):
             ours.forward_with_cache(torch.randn(1, N, E, dtype=torch.float64), cache, torch.zeros(N, 4))
         assert cache.length == 3
         assert not cache.keys[:, :, 3:].any(), "a rejected step must not write into the cache"
@@ -179,10 +179,13 @@ def test_cross_attention_cache_step_needs_the_projected_context():
 
 def test_cached_op_rejects_projections_that_do_not_fit_the_cache():
     w = torch.randn(E, E)
-    with pytest.raises(AssertionError, match=r"expected w_k of shape \(16, 16\) like w_q, but got w_k of shape \[8, 16\]"):
+    cache = dict(k_cache=torch.zeros(1, H, 4, E // H), v_cache=torch.zeros(1, H, 4, E // H), cache_length=0, num_heads=H)
+    step = dict(query=torch.randn(1, 1, E), out_proj_weight=w, out_proj_bias=None, in_proj_bias=None)
+    with pytest.raises(AssertionError, match=r"expected key weight \(w_k\) of shape \(16, 16\), but got \[8, 16\]"):
         torch.ops.torchmha.attention_with_cache(
-            torch.randn(1, 1, E), torch.zeros(1, H, 4, E // H), torch.zeros(1, H, 4, E // H), 0,
-            w, None, w[:8], None, w, None, w, None)
+            **cache, **step, in_proj_weight=None, q_proj_weight=w, k_proj_weight=w[:8], v_proj_weight=w)
+    with pytest.raises(RuntimeError, match=r"in_proj_weight must have shape \(3 \* embed_dim, embed_dim\), but got \[32, 16\]"):
+        torch.ops.torchmha.attention_with_cache(**cache, **step, in_proj_weight=torch.randn(2 * E, E))
 
 
 # ------------------------------------------------------------------ cross-attention cache

@@ -5,6 +5,8 @@
 // attn_mask convention: (L, S) or (N * num_heads, L, S); bool true = not allowed to attend,
 // float = added to the scores. Dropout acts on the attention weights, in training mode only.
 
+#include <torchmha/export.h>
+
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/modules/common.h>
@@ -29,7 +31,7 @@ struct MultiheadAttentionV1Options {
 /// torchmha::MultiheadAttentionV1 attn(64);
 /// auto y = attn(torch::randn({10, 2, 64}));  // [L, N, E] -> [L, N, E]
 /// ```
-class MultiheadAttentionV1Impl : public torch::nn::Cloneable<MultiheadAttentionV1Impl> {
+class TORCHMHA_API MultiheadAttentionV1Impl : public torch::nn::Cloneable<MultiheadAttentionV1Impl> {
  public:
   explicit MultiheadAttentionV1Impl(const MultiheadAttentionV1Options& options);
   void reset() override;
@@ -55,7 +57,7 @@ struct MultiheadAttentionV2Options {
 
 /// v2: multi-head self-attention with attention dropout and an optional attn_mask.
 /// Equivalent to torch.nn.MultiheadAttention(E, H, dropout) called as mha(x, x, x, attn_mask=mask).
-class MultiheadAttentionV2Impl : public torch::nn::Cloneable<MultiheadAttentionV2Impl> {
+class TORCHMHA_API MultiheadAttentionV2Impl : public torch::nn::Cloneable<MultiheadAttentionV2Impl> {
  public:
   MultiheadAttentionV2Impl(int64_t embed_dim, int64_t num_heads)
       : MultiheadAttentionV2Impl(MultiheadAttentionV2Options(embed_dim, num_heads)) {}
@@ -88,7 +90,7 @@ struct MultiheadAttentionV3Options {
 
 /// v3: query [L, N, E], key [S, N, kdim], value [S, N, vdim]; k_proj is Linear(kdim, E) and
 /// v_proj Linear(vdim, E). Equivalent to torch.nn.MultiheadAttention(E, H, dropout, kdim=, vdim=).
-class MultiheadAttentionV3Impl : public torch::nn::Cloneable<MultiheadAttentionV3Impl> {
+class TORCHMHA_API MultiheadAttentionV3Impl : public torch::nn::Cloneable<MultiheadAttentionV3Impl> {
  public:
   MultiheadAttentionV3Impl(int64_t embed_dim, int64_t num_heads)
       : MultiheadAttentionV3Impl(MultiheadAttentionV3Options(embed_dim, num_heads)) {}
@@ -123,7 +125,7 @@ struct MultiheadAttentionV4Options {
 /// out_proj. Projects through in_projection_packed, so self-attention (query, key and value the
 /// same tensor), encoder-decoder attention (key the same tensor as value) and general attention
 /// all work. Inputs [L, N, E], [S, N, E], [S, N, E].
-class MultiheadAttentionV4Impl : public torch::nn::Cloneable<MultiheadAttentionV4Impl> {
+class TORCHMHA_API MultiheadAttentionV4Impl : public torch::nn::Cloneable<MultiheadAttentionV4Impl> {
  public:
   MultiheadAttentionV4Impl(int64_t embed_dim, int64_t num_heads)
       : MultiheadAttentionV4Impl(MultiheadAttentionV4Options(embed_dim, num_heads)) {}

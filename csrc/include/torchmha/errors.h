@@ -7,6 +7,8 @@
 // the Python extension translates to AssertionError. All derive from c10::Error, so C++ callers
 // catch every torchmha error as they catch any LibTorch error.
 
+#include <torchmha/export.h>
+
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
@@ -14,7 +16,7 @@ namespace torchmha {
 
 /// A malformed argument (wrong rank, shape or embedding size). Python sees AssertionError, the
 /// type torch.nn.MultiheadAttention raises for the same input.
-class ArgumentError : public c10::Error {
+class TORCHMHA_API ArgumentError : public c10::Error {
  public:
   using c10::Error::Error;
 };

@@ -1,10 +1,19 @@
 #pragma once
 
-// The functional core of torchmha: every module (C++ and Python) and every registered op calls
-// these functions. They are written in differentiable ATen ops only, so autograd, every device
-// ATen supports, fake tensors and torch.compile work without hand-written kernels.
+// The functional API: every module (C++ and Python) and every registered op (torch.ops.torchmha.*)
+// is one of these calls. They are written in differentiable ATen ops only, so autograd, every
+// device ATen supports, fake tensors and torch.compile work without hand-written kernels.
+//
+// Shapes: E = embed_dim, H = num_heads, D = head_dim, L target length, S source length, N batch,
+// T new positions, M cache capacity. Query layouts follow batch_first: (L, N, E) or (N, L, E).
+// A module's parameters are passed in torch.nn.MultiheadAttention's form: the packed
+// in_proj_weight (3E, E), or, when it is absent, q_proj_weight (E, E), k_proj_weight (E, kdim),
+// v_proj_weight (E, vdim); in_proj_bias (3E); bias_k, bias_v (1, 1, E); out_proj (E, E).
+
+#include <torchmha/export.h>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
 
 #include <optional>
 #include <tuple>
@@ -12,24 +21,20 @@
 
 namespace torchmha {
 
-/// Projects query, key and value with one packed weight `w` of shape (3E, E) (rows q, k, v)
-/// and an optional packed bias of shape (3E). Reproduces the three cases of
-/// torch.nn.functional._in_projection_packed, chosen by tensor identity (not by value):
-///  - q, k and v are the same tensor (self-attention): one matmul with `w`, then split;
-///  - only k and v are the same tensor (encoder-decoder): q with w[:E], k and v with w[E:];
-///  - otherwise three separate projections.
-/// Shapes: q (..., E), k (..., E), v (..., E) -> {q' (..., E), k' (..., E), v' (..., E)}.
-std::vector<at::Tensor> in_projection_packed(
+/// torch.nn.functional._in_projection_packed: q, k, v through one packed weight `w` (3E, E)
+/// (rows q, k, v) and bias `b` (3E). The case is chosen by tensor identity, never by value:
+/// q, k and v one tensor (self-attention): one GEMM; only k and v (encoder-decoder): two; else three.
+/// Returns {q' (..., E), k' (..., E), v' (..., E)}.
+TORCHMHA_API std::vector<at::Tensor> in_projection_packed(
     const at::Tensor& q,
     const at::Tensor& k,
     const at::Tensor& v,
     const at::Tensor& w,
     const std::optional<at::Tensor>& b = std::nullopt);
 
-/// Projects query, key and value with separate weights, as torch.nn.functional._in_projection:
-/// w_q (Eq, Eq), w_k (Eq, Ek), w_v (Eq, Ev), biases (Eq). Returns {q' (..., Eq), k' (..., Eq),
-/// v' (..., Eq)}. Weight and bias shapes are checked (ArgumentError naming the argument).
-std::vector<at::Tensor> in_projection(
+/// torch.nn.functional._in_projection: separate weights w_q (Eq, Eq), w_k (Eq, Ek), w_v (Eq, Ev)
+/// and biases (Eq). Returns {q' (..., Eq), k' (..., Eq), v' (..., Eq)}.
+TORCHMHA_API std::vector<at::Tensor> in_projection(
     const at::Tensor& q,
     const at::Tensor& k,
     const at::Tensor& v,
@@ -40,23 +45,19 @@ std::vector<at::Tensor> in_projection(
     const std::optional<at::Tensor>& b_k = std::nullopt,
     const std::optional<at::Tensor>& b_v = std::nullopt);
 
-/// Multi-head attention with the semantics of torch.nn.MultiheadAttention.forward (and of
-/// torch.nn.functional.multi_head_attention_forward), including the module's batch_first
-/// handling and, when `allow_fast_path` is set, its fused inference fast path.
-///
-/// Shapes (E = embed_dim, H = num_heads, L target length, S source length, N batch):
-///  - query (L, N, E) or (N, L, E) with batch_first, or unbatched (L, E);
-///  - key (S, N, kdim), value (S, N, vdim) in the same layout as query;
-///  - key_padding_mask (N, S) or (S) unbatched; attn_mask (L, S) or (N*H, L, S);
-///    bool masks: true = not allowed to attend; float masks are added to the scores.
-///  - in-projection: packed `in_proj_weight` (3E, E), or, when it is absent, separate
-///    q_proj_weight (E, E), k_proj_weight (E, kdim), v_proj_weight (E, vdim);
-///    in_proj_bias (3E) in both cases; bias_k, bias_v (1, 1, E).
-/// Returns {output (like query, last dim E), weights}. weights is (N, L, S) averaged over heads,
-/// (N, H, L, S) otherwise, without N for unbatched input, and an undefined tensor when
-/// need_weights is false (then the L x S weights are never materialized: SDPA computes the output).
-/// is_causal is a hint that attn_mask is causal; it needs attn_mask, as in torch.
-std::tuple<at::Tensor, at::Tensor> multi_head_attention_forward(
+/// torch.nn.MultiheadAttention.forward (and torch.nn.functional.multi_head_attention_forward),
+/// with the module's batch_first handling and, with allow_fast_path, its fused inference path.
+///  - query (L, N, E), key (S, N, kdim), value (S, N, vdim), or (N, *, *) with batch_first, or
+///    unbatched (L, E), (S, kdim), (S, vdim);
+///  - key_padding_mask (N, S) or (S); attn_mask (L, S) or (N*H, L, S); bool masks: true = not
+///    allowed to attend; float masks are added to the scores;
+///  - q_proj_bias, k_proj_bias, v_proj_bias (E): separate biases with separate weights (v1-v3's
+///    Linear layers), instead of in_proj_bias.
+/// Returns {output (like query, last dim E), weights}: (N, L, S) averaged over heads, (N, H, L, S)
+/// otherwise, without N for unbatched input, undefined when need_weights is false (then the
+/// L x S weights are never built: SDPA computes the output). is_causal is a hint that attn_mask is
+/// causal; it needs attn_mask, as in torch.
+TORCHMHA_API std::tuple<at::Tensor, at::Tensor> multi_head_attention_forward(
     const at::Tensor& query,
     const at::Tensor& key,
     const at::Tensor& value,
@@ -80,24 +81,119 @@ std::tuple<at::Tensor, at::Tensor> multi_head_attention_forward(
     bool average_attn_weights = true,
     bool is_causal = false,
     bool batch_first = false,
-    bool allow_fast_path = false);
+    bool allow_fast_path = false,
+    const std::optional<at::Tensor>& q_proj_bias = std::nullopt,
+    const std::optional<at::Tensor>& k_proj_bias = std::nullopt,
+    const std::optional<at::Tensor>& v_proj_bias = std::nullopt);
 
-/// Internal helpers of the functional core, shared with the decoding code (csrc/decoding.cpp);
-/// not part of the stable API.
-namespace detail {
-/// An undefined tensor (LibTorch's "absent") as std::nullopt, for the optional arguments above.
-inline std::optional<at::Tensor> optional_if_defined(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
-/// Bool masks (true = not allowed) become additive float masks of `target_dtype` (-inf where
-/// true); float masks pass through; other dtypes throw ArgumentError naming `name`.
-at::Tensor canonical_mask(const at::Tensor& mask, const char* name, at::ScalarType target_dtype);
-/// (len, N, parts*E) or, with batch_first, (N, len, parts*E) -> `parts` tensors
-/// (N, H, len, head_dim), as strided views (no copy).
-std::vector<at::Tensor> to_heads(
-    const at::Tensor& x, int64_t parts, int64_t num_heads, int64_t head_dim, bool batch_first);
-/// (N, H, len, head_dim) -> (len, N, H * head_dim) or, with batch_first, (N, len, H * head_dim).
-at::Tensor merge_heads(const at::Tensor& x, bool batch_first);
-}  // namespace detail
+// ------------------------------------------------------------------------------------ decoding
+// The module's parameters as above; num_heads splits its in-projection (width H * D, which may
+// differ from E) into heads. bias_k, bias_v and add_zero_attn are rejected: a cache holds no
+// positions for them. Cached keys and values are (N, H, M, D).
+
+/// One step of incremental causal self-attention: query (T, N, E) or (N, T, E) holds the next T
+/// positions. Their keys and values (one packed GEMM with q) are written in place into k_cache
+/// and v_cache at [cache_length, cache_length + T), and query i (position cache_length + i) sees
+/// keys 0 .. cache_length + i. key_padding_mask covers every key so far: (N, cache_length + T).
+/// Returns the output in query's layout. The caller advances its cache length by T. cache_length
+/// is a SymInt (an int64_t converts) so that under torch.compile one graph serves every length.
+TORCHMHA_API at::Tensor attention_with_cache(
+    const at::Tensor& query,
+    const at::Tensor& k_cache,
+    const at::Tensor& v_cache,
+    c10::SymInt cache_length,
+    int64_t num_heads,
+    const std::optional<at::Tensor>& in_proj_weight,
+    const std::optional<at::Tensor>& in_proj_bias,
+    const at::Tensor& out_proj_weight,
+    const std::optional<at::Tensor>& out_proj_bias,
+    const std::optional<at::Tensor>& key_padding_mask = std::nullopt,
+    double dropout_p = 0.0,
+    bool training = false,
+    bool batch_first = false,
+    const std::optional<at::Tensor>& q_proj_weight = std::nullopt,
+    const std::optional<at::Tensor>& k_proj_weight = std::nullopt,
+    const std::optional<at::Tensor>& v_proj_weight = std::nullopt,
+    const std::optional<at::Tensor>& bias_k = std::nullopt,
+    const std::optional<at::Tensor>& bias_v = std::nullopt,
+    bool add_zero_attn = false);
+
+/// Projects a fixed memory once: key (S, N, kdim) and value (S, N, vdim) (value defaults to key),
+/// or (N, S, *) with batch_first, through the k and v weights. Returns {keys, values}, each
+/// (N, H, S, D) and contiguous.
+TORCHMHA_API std::tuple<at::Tensor, at::Tensor> project_key_value(
+    const at::Tensor& key,
+    const std::optional<at::Tensor>& value,
+    int64_t num_heads,
+    const std::optional<at::Tensor>& in_proj_weight,
+    const std::optional<at::Tensor>& in_proj_bias,
+    const std::optional<at::Tensor>& k_proj_weight = std::nullopt,
+    const std::optional<at::Tensor>& v_proj_weight = std::nullopt,
+    bool batch_first = false,
+    const std::optional<at::Tensor>& bias_k = std::nullopt,
+    const std::optional<at::Tensor>& bias_v = std::nullopt,
+    bool add_zero_attn = false);
+
+/// Attention of query (T, N, E) or (N, T, E) to keys and values from project_key_value (the
+/// cross-attention cache); no causal mask. Returns the output in query's layout.
+TORCHMHA_API at::Tensor attention_with_static_key_value(
+    const at::Tensor& query,
+    const at::Tensor& keys,
+    const at::Tensor& values,
+    int64_t num_heads,
+    const std::optional<at::Tensor>& in_proj_weight,
+    const std::optional<at::Tensor>& in_proj_bias,
+    const at::Tensor& out_proj_weight,
+    const std::optional<at::Tensor>& out_proj_bias,
+    const std::optional<at::Tensor>& key_padding_mask = std::nullopt,
+    double dropout_p = 0.0,
+    bool training = false,
+    bool batch_first = false,
+    const std::optional<at::Tensor>& q_proj_weight = std::nullopt,
+    const std::optional<at::Tensor>& bias_k = std::nullopt,
+    const std::optional<at::Tensor>& bias_v = std::nullopt,
+    bool add_zero_attn = false);
+
+// ------------------------------------------------------------------------------ layers
+
+/// CrossAttention's forward on a projected context (see cross_attention.h): x (N, L, query_dim),
+/// keys and values (N, heads, S, dim_head), mask (N, S) bool with true = keep. No dropout (the
+/// module applies its own after this).
+TORCHMHA_API at::Tensor cross_attention(
+    const at::Tensor& x,
+    const at::Tensor& keys,
+    const at::Tensor& values,
+    int64_t heads,
+    const at::Tensor& to_q_weight,
+    const at::Tensor& to_out_weight,
+    const std::optional<at::Tensor>& to_out_bias,
+    const std::optional<at::Tensor>& mask = std::nullopt,
+    bool training = false);
+
+/// TransformerBlock's forward (see transformer_block.h), batch first: x (N, L, E); the
+/// self-attention's parameters as above (packed); then the feed-forward network and LayerNorms.
+TORCHMHA_API at::Tensor transformer_block(
+    const at::Tensor& x,
+    int64_t num_heads,
+    const at::Tensor& in_proj_weight,
+    const std::optional<at::Tensor>& in_proj_bias,
+    const at::Tensor& out_proj_weight,
+    const std::optional<at::Tensor>& out_proj_bias,
+    const at::Tensor& linear1_weight,
+    const std::optional<at::Tensor>& linear1_bias,
+    const at::Tensor& linear2_weight,
+    const std::optional<at::Tensor>& linear2_bias,
+    const at::Tensor& norm1_weight,
+    const at::Tensor& norm1_bias,
+    const at::Tensor& norm2_weight,
+    const at::Tensor& norm2_bias,
+    double layer_norm_eps,
+    double attention_dropout,
+    double dropout,
+    bool norm_first,
+    bool training,
+    const std::optional<at::Tensor>& attn_mask = std::nullopt,
+    const std::optional<at::Tensor>& key_padding_mask = std::nullopt,
+    bool allow_fast_path = false);
 
 }  // namespace torchmha

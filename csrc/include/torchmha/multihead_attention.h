@@ -4,6 +4,9 @@
 // is_causal, unbatched input, 2-D and 3-D bool or float masks, kdim != vdim, packing decided by
 // tensor identity, SDPA when weights are not needed, and the fused inference fast path).
 
+#include <torchmha/export.h>
+#include <torchmha/kv_cache.h>
+
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/modules/common.h>
@@ -15,10 +18,6 @@
 #include <tuple>
 
 namespace torchmha {
-
-// Decoding caches (decoding.h).
-class KeyValueCache;
-struct StaticKeyValue;
 
 /// Options for MultiheadAttention; the same as torch.nn.MultiheadAttention's constructor.
 struct MultiheadAttentionOptions {
@@ -60,7 +59,7 @@ struct MultiheadAttentionOptions {
 /// auto [y, w] = mha->forward(x, x, x, /*key_padding_mask=*/{}, /*need_weights=*/false, causal,
 ///                            /*average_attn_weights=*/true, /*is_causal=*/true);
 /// ```
-class MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImpl> {
+class TORCHMHA_API MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImpl> {
  public:
   MultiheadAttentionImpl(int64_t embed_dim, int64_t num_heads)
       : MultiheadAttentionImpl(MultiheadAttentionOptions(embed_dim, num_heads)) {}
@@ -76,7 +75,7 @@ class MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImp
       bool average_attn_weights = true,
       bool is_causal = false);
 
-  /// Incremental causal self-attention (decoding.h; defined in decoding.cpp): query (T, N, E)
+  /// Incremental causal self-attention (kv_cache.h): query (T, N, E)
   /// or (N, T, E) holds the next T positions; their keys and values are appended to `cache`,
   /// and each attends to every cached position up to its own. key_padding_mask (N, length + T)
   /// covers all keys so far. Equals forward() with a causal mask over the whole sequence.
@@ -88,8 +87,9 @@ class MultiheadAttentionImpl : public torch::nn::Cloneable<MultiheadAttentionImp
       const at::Tensor& query,
       const StaticKeyValue& memory,
       const at::Tensor& key_padding_mask = {});
-  /// Projects key (S, N, kdim) and value (S, N, vdim) (batch_first: (N, S, *)) into heads once.
-  StaticKeyValue project_key_value(const at::Tensor& key, const at::Tensor& value);
+  /// Projects key (S, N, kdim) and value (S, N, vdim) (batch_first: (N, S, *)) into heads once;
+  /// value defaults to key.
+  StaticKeyValue project_key_value(const at::Tensor& key, const at::Tensor& value = {});
 
   /// Registers every parameter and out_proj, then reset_parameters().
   void reset() override;

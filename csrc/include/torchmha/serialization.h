@@ -13,6 +13,8 @@
 // (LibTorch's own torch::save(module, path) writes a TorchScript archive instead; Python reads it
 // with torch.jit.load, see the README.)
 
+#include <torchmha/export.h>
+
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/ordered_dict.h>
@@ -25,26 +27,26 @@ using StateDict = torch::OrderedDict<std::string, at::Tensor>;
 
 /// Every parameter and buffer of `module` and its submodules, by dotted name, as Python's
 /// state_dict() names them. The tensors are the module's own (not copies).
-StateDict state_dict(const torch::nn::Module& module);
+TORCHMHA_API StateDict state_dict(const torch::nn::Module& module);
 
 /// Writes `state` (detached tensors) to `path` in torch.save's format; Python's torch.load(path)
 /// returns it as a dict.
-void save_state_dict(const StateDict& state, const std::string& path);
+TORCHMHA_API void save_state_dict(const StateDict& state, const std::string& path);
 
 /// save_state_dict(state_dict(module), path).
-void save_state_dict(const torch::nn::Module& module, const std::string& path);
+TORCHMHA_API void save_state_dict(const torch::nn::Module& module, const std::string& path);
 
 /// Reads a dict of name -> tensor written by Python's torch.save (a plain dict, see above) or by
 /// save_state_dict. Throws c10::Error if the file holds anything else.
-StateDict read_state_dict(const std::string& path);
+TORCHMHA_API StateDict read_state_dict(const std::string& path);
 
 /// Copies `state` into `module`'s parameters and buffers (without recording gradients, converting
 /// dtype and device as Python's load_state_dict does). Strict, like Python's default: every name
 /// must exist on both sides with the same shape, else c10::Error lists the missing, unexpected
 /// or mismatched names and nothing is copied.
-void load_state_dict(torch::nn::Module& module, const StateDict& state);
+TORCHMHA_API void load_state_dict(torch::nn::Module& module, const StateDict& state);
 
 /// read_state_dict(path) then load_state_dict(module, ...).
-void load_state_dict(torch::nn::Module& module, const std::string& path);
+TORCHMHA_API void load_state_dict(torch::nn::Module& module, const std::string& path);
 
 }  // namespace torchmha

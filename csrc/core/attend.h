@@ -1,0 +1,54 @@
+#pragma once
+
+// The steps after the in-projection: masks, extra key positions, attention itself (explicit
+// weights or SDPA) and the output projection. Heads are (N, H, len, D) throughout.
+
+#include "arguments.h"
+
+#include <c10/core/SymInt.h>
+
+#include <utility>
+
+namespace torchmha::core {
+
+// ---- masks: additive float masks broadcastable to (N, H, L, S); absent is nullopt.
+
+/// A bool mask (true = not allowed) becomes an additive mask of `dtype` (-inf where true); a
+/// float mask passes through. The kind was checked in validate.
+OptionalTensor additive_mask(const OptionalTensor& mask, at::ScalarType dtype);
+/// a + b, either of which may be absent.
+OptionalTensor add_masks(const OptionalTensor& a, const OptionalTensor& b);
+/// key_padding_mask (N, S) -> additive (N, 1, 1, S).
+OptionalTensor padding_bias(const OptionalTensor& key_padding_mask, int64_t batch, const c10::SymInt& src_len,
+                            at::ScalarType dtype);
+/// new_len queries at absolute positions offset .. offset + new_len - 1 over src_len keys: query i
+/// may see keys 0 .. offset + i (bottom-right aligned). Absent when new_len == 1 (it sees all).
+OptionalTensor causal_bias(int64_t new_len, const c10::SymInt& offset, const c10::SymInt& src_len,
+                           const at::TensorOptions& options);
+
+// ---- extra key positions
+
+/// Keys and values with bias_k/bias_v and the add_zero_attn position appended along the length,
+/// and the masks padded to match (the new positions are never masked).
+struct KeysValues {
+  Tensor keys, values;
+  OptionalTensor attn_mask, padding_mask;
+};
+KeysValues append_extra_key_positions(KeysValues kv, const AttentionWeights& weights);
+
+// ---- attend
+
+/// softmax(q k^T / sqrt(D) + mask) v through at::scaled_dot_product_attention: the L x S weights
+/// are never materialized. `is_causal` is SDPA's (top-left aligned).
+Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask, double dropout_p,
+              bool is_causal = false);
+/// The same with explicit weights, which are part of the result: {output heads, weights (N, H, L, S)}.
+std::pair<Tensor, Tensor> attend_with_weights(const Tensor& q, const Tensor& k, const Tensor& v,
+                                              const OptionalTensor& mask, double dropout_p);
+
+// ---- output projection
+
+/// Heads (N, H, L, D) merged into query's layout and through out_proj.
+Tensor project_output(const Tensor& heads, const AttentionWeights& weights, bool batch_first);
+
+}  // namespace torchmha::core

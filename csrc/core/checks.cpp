@@ -1,0 +1,210 @@
+// The validate step (checks.h).
+
+#include "checks.h"
+
+#include <torchmha/errors.h>
+
+namespace torchmha::core {
+namespace {
+
+const char* layout_name(bool batched) {
+  return batched ? "batched (3-D)" : "unbatched (2-D)";
+}
+
+void check_mask_kind(const OptionalTensor& mask, const char* name) {
+  if (!is_present(mask)) {
+    return;
+  }
+  TORCHMHA_CHECK_ARG(
+      mask->scalar_type() == at::kBool || at::isFloatingType(mask->scalar_type()), "only bool and floating-point ",
+      name, " are supported, but got ", name, " of dtype ", mask->scalar_type(), " and shape ", mask->sizes());
+}
+
+// Ranks: batched (3-D) or unbatched (2-D), with matching keys, values and masks.
+bool check_ranks(const ForwardCall& call, int64_t num_heads) {
+  const auto& query = call.query;
+  const int64_t rank = query.dim();
+  TORCHMHA_CHECK_ARG(
+      rank == 2 || rank == 3, "query should be unbatched 2-D or batched 3-D, but got a ", rank, "-D query of shape ",
+      query.sizes());
+  const bool batched = rank == 3;
+  TORCHMHA_CHECK_ARG(
+      call.key.dim() == rank && call.value.dim() == rank, "for ", layout_name(batched), " query of shape ",
+      query.sizes(), ", expected key and value to be ", rank, "-D, but got key of shape ", call.key.sizes(),
+      " and value of shape ", call.value.sizes());
+  const auto& kpm = call.key_padding_mask;
+  TORCHMHA_CHECK_ARG(
+      !is_present(kpm) || kpm->dim() == rank - 1, "for ", layout_name(batched),
+      " query, expected key_padding_mask to be None or ", rank - 1, "-D, but got key_padding_mask of shape ",
+      kpm->sizes());
+  const auto& mask = call.attn_mask;
+  TORCHMHA_CHECK_ARG(
+      !is_present(mask) || mask->dim() == 2 || mask->dim() == 3, "for ", layout_name(batched),
+      " query, expected attn_mask to be None, 2-D or 3-D, but got attn_mask of shape ", mask->sizes());
+  if (!batched && is_present(mask) && mask->dim() == 3) {
+    TORCHMHA_CHECK_ARG(
+        mask->size(0) == num_heads && mask->size(1) == query.size(0) && mask->size(2) == call.key.size(0),
+        "for unbatched (2-D) query, expected a 3-D attn_mask of shape (", num_heads, ", ", query.size(0), ", ",
+        call.key.size(0), ") (num_heads, L, S), but got ", mask->sizes());
+  }
+  return batched;
+}
+
+}  // namespace
+
+void check_positive_sizes(int64_t embed_dim, int64_t num_heads) {
+  TORCH_CHECK_VALUE(
+      embed_dim > 0 && num_heads > 0, "embed_dim and num_heads must be greater than 0, got embed_dim=", embed_dim,
+      " and num_heads=", num_heads);
+}
+
+void check_divisible(int64_t embed_dim, int64_t num_heads) {
+  TORCHMHA_CHECK_ARG(
+      embed_dim % num_heads == 0, "embed_dim must be divisible by num_heads, got embed_dim=", embed_dim,
+      " and num_heads=", num_heads);
+}
+
+void check_module_sizes(int64_t embed_dim, int64_t num_heads, int64_t kdim, int64_t vdim) {
+  check_positive_sizes(embed_dim, num_heads);
+  check_divisible(embed_dim, num_heads);
+  TORCH_CHECK_VALUE(
+      (kdim == -1 || kdim > 0) && (vdim == -1 || vdim > 0), "kdim and vdim must be greater than 0, got kdim=", kdim,
+      " and vdim=", vdim);
+}
+
+void check_dropout(double p) {
+  TORCH_CHECK_VALUE(p >= 0.0 && p <= 1.0, "dropout probability has to be between 0 and 1, but got ", p);
+}
+
+void check_key_value_shapes(const Tensor& key, const Tensor& value, bool separate_weights) {
+  if (separate_weights) {
+    TORCHMHA_CHECK_ARG(
+        key.dim() == value.dim() && key.sizes().slice(0, key.dim() - 1) == value.sizes().slice(0, value.dim() - 1),
+        "key's sequence and batch sizes must match value's, but got key of shape ", key.sizes(),
+        " and value of shape ", value.sizes());
+  } else {
+    TORCHMHA_CHECK_ARG(
+        key.sizes() == value.sizes(), "key shape ", key.sizes(), " does not match value shape ", value.sizes());
+  }
+}
+
+Geometry validate_forward(const ForwardCall& call, const AttentionWeights& weights, int64_t embed_dim) {
+  const int64_t num_heads = weights.num_heads;
+  check_positive_sizes(embed_dim, num_heads);
+  check_dropout(call.dropout_p);
+  check_mask_kind(call.key_padding_mask, "key_padding_mask");
+  check_mask_kind(call.attn_mask, "attn_mask");
+  const bool batched = check_ranks(call, num_heads);
+  const int64_t seq = batched ? sequence_dim(call.batch_first) : 0;
+  Geometry g{batched, batched ? call.query.size(batch_dim(call.batch_first)) : 1, call.query.size(seq),
+             call.key.size(seq), 0};
+  TORCH_CHECK(
+      !call.is_causal || is_present(call.attn_mask),
+      "is_causal=True is a hint that attn_mask is causal and needs attn_mask too; build one with "
+      "torch.nn.Transformer.generate_square_subsequent_mask(L)");
+  TORCHMHA_CHECK_ARG(
+      call.query.size(-1) == embed_dim, "was expecting query of embedding size ", embed_dim, ", but got query of shape ",
+      call.query.sizes());
+  check_divisible(embed_dim, num_heads);
+  g.head_dim = embed_dim / num_heads;
+  const bool separate = !weights.in_proj.packed();
+  if (separate) {
+    TORCHMHA_CHECK_ARG(
+        is_present(weights.in_proj.weights[0]) && is_present(weights.in_proj.weights[1]) &&
+            is_present(weights.in_proj.weights[2]),
+        "without in_proj_weight, q_proj_weight, k_proj_weight and v_proj_weight are all needed");
+  }
+  check_key_value_shapes(call.key, call.value, separate);
+  if (batched) {
+    TORCH_CHECK(
+        call.key.size(batch_dim(call.batch_first)) == g.batch, "key and value must have the batch size of query (",
+        g.batch, "), but got query of shape ", call.query.sizes(), " and key of shape ", call.key.sizes());
+  }
+  return g;
+}
+
+void check_padding_mask_shape(const Tensor& mask, int64_t batch, const c10::SymInt& src_len, bool batched) {
+  // expect_true: under tracing a runtime assertion on a symbolic length, not a guard on it.
+  const bool fits = batched
+      ? mask.dim() == 2 &&
+          mask.sym_size(0).sym_eq(batch).sym_and(mask.sym_size(1).sym_eq(src_len)).expect_true(__FILE__, __LINE__)
+      : mask.dim() == 1 && mask.sym_size(0).sym_eq(src_len).expect_true(__FILE__, __LINE__);
+  TORCHMHA_CHECK_ARG(
+      fits, "expected key_padding_mask of shape ",
+      batched ? c10::str("(", batch, ", ", src_len, ")") : c10::str("(", src_len, ",)"),
+      " (batch, source length), but got ", mask.sym_sizes());
+}
+
+void check_mask_shapes(
+    const ForwardCall& call,
+    const AttentionWeights& weights,
+    const Geometry& g,
+    bool attn_mask_is_read) {
+  const auto& mask = call.attn_mask;
+  if (is_present(mask) && attn_mask_is_read) {
+    if (mask->dim() == 2) {
+      TORCH_CHECK(
+          mask->size(0) == g.tgt_len && mask->size(1) == g.src_len, "the shape of the 2-D attn_mask is ",
+          mask->sizes(), ", but should be (", g.tgt_len, ", ", g.src_len, ") (target length, source length)");
+    } else {
+      const int64_t batch_heads = g.batch * weights.num_heads;
+      TORCH_CHECK(
+          mask->size(0) == batch_heads && mask->size(1) == g.tgt_len && mask->size(2) == g.src_len,
+          "the shape of the 3-D attn_mask is ", mask->sizes(), ", but should be (", batch_heads, ", ", g.tgt_len,
+          ", ", g.src_len, ") (batch * num_heads, target length, source length)");
+    }
+  }
+  TORCHMHA_CHECK_ARG(
+      is_present(weights.bias_k) == is_present(weights.bias_v), "bias_k and bias_v must be given together, but only ",
+      is_present(weights.bias_k) ? "bias_k" : "bias_v", " was");
+  if (is_present(call.key_padding_mask)) {
+    check_padding_mask_shape(*call.key_padding_mask, g.batch, g.src_len, g.batched);
+  }
+}
+
+void check_mask_dtype(const OptionalTensor& mask, at::ScalarType query_dtype) {
+  TORCH_CHECK(
+      !is_present(mask) || mask->scalar_type() == query_dtype, "float masks must have the dtype of query (",
+      query_dtype, "), but the masks given combine to ", mask->scalar_type(),
+      " (a float attn_mask or key_padding_mask is added in the query's dtype, never converted)");
+}
+
+void check_batched(const Tensor& x, const char* name, const char* function) {
+  TORCHMHA_CHECK_ARG(
+      x.dim() == 3, function, ": expected a batched 3-D ", name, " ((L, N, E), or (N, L, E) with batch_first), but got ",
+      name, " of shape ", x.sizes());
+}
+
+void check_no_extra_key_positions(const AttentionWeights& weights, const char* method) {
+  TORCH_CHECK(
+      !weights.has_extra_key_positions(), "MultiheadAttention.", method,
+      " does not support add_bias_kv or add_zero_attn (they append key positions a cache does not hold)");
+}
+
+void check_heads(const Tensor& keys, int64_t num_heads, int64_t head_dim, const char* what) {
+  TORCHMHA_CHECK_ARG(
+      keys.dim() == 4 && keys.size(1) == num_heads && keys.size(3) == head_dim, "MultiheadAttention.forward_with_cache: ",
+      what, " has keys of shape ", keys.sizes(), " (batch, heads, length, head_dim), but the module has ", num_heads,
+      " heads of size ", head_dim);
+}
+
+void check_keys_values(
+    const Tensor& query,
+    const Tensor& keys,
+    const Tensor& values,
+    bool batch_first,
+    const char* function,
+    const char* keys_name,
+    const char* values_name,
+    const char* hint) {
+  TORCHMHA_CHECK_ARG(
+      keys.dim() == 4 && keys.sizes() == values.sizes(), function, ": expected ", keys_name, " and ", values_name,
+      " of the same shape (batch, heads, length, head_dim), but got ", keys_name, " of shape ", keys.sizes(), " and ",
+      values_name, " of shape ", values.sizes());
+  const int64_t batch = query.size(batch_dim(batch_first));
+  TORCHMHA_CHECK_ARG(
+      keys.size(0) == batch, function, ": ", keys_name, " and ", values_name, " hold batches of ", keys.size(0),
+      ", but query of shape ", query.sizes(), " has batch size ", batch, hint);
+}
+
+}  // namespace torchmha::core

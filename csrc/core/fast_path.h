@@ -1,0 +1,26 @@
+#pragma once
+
+// The fused fast path: torch.nn.MultiheadAttention's conditions for
+// torch._native_multi_head_attention (its fused inference kernel), and the call itself.
+
+#include "arguments.h"
+#include "checks.h"
+
+#include <tuple>
+
+namespace torchmha::core {
+
+/// torch's conditions, less those only Python can see (the fast-path switch, tracing), which the
+/// caller folds into allow_fast_path.
+bool fast_path_applies(const ForwardCall& call, const AttentionWeights& weights);
+
+/// The fused kernel on masks merged as torch's merge_masks does. Masks are additive already.
+std::tuple<Tensor, Tensor> fused_forward(
+    const ForwardCall& call,
+    const AttentionWeights& weights,
+    const Geometry& g,
+    int64_t embed_dim,
+    const OptionalTensor& attn_mask,
+    const OptionalTensor& padding_mask);
+
+}  // namespace torchmha::core

@@ -1,0 +1,39 @@
+#pragma once
+
+// The source article's layers on the attention core: CrossAttention's and TransformerBlock's
+// forward computations (the modules in csrc/modules own their parameters and call these).
+
+#include "arguments.h"
+#include "cached_attention.h"
+
+#include <torchmha/export.h>
+
+namespace torchmha::core {
+
+/// Attention of x (N, L, query_dim) to a projected context; mask (N, S) bool, true = keep (the
+/// article's convention, the opposite of key_padding_mask).
+Tensor cross_attention(const Tensor& x, const Tensor& keys, const Tensor& values, const AttentionWeights& weights,
+                       const OptionalTensor& mask, bool training);
+
+/// The feed-forward network Linear - ReLU - Linear and the two LayerNorms of a Transformer block.
+struct FeedForwardWeights {
+  Tensor linear1_weight;
+  OptionalTensor linear1_bias;
+  Tensor linear2_weight;
+  OptionalTensor linear2_bias;
+  Tensor norm1_weight, norm1_bias, norm2_weight, norm2_bias;
+  double layer_norm_eps = 1e-5;
+  double dropout_p = 0.0;  // on each sublayer's output and the hidden layer (training only)
+};
+
+/// torch.nn.TransformerEncoderLayer's computation (relu, batch first), post-norm or norm_first;
+/// call.query is x and call.dropout_p the self-attention's dropout (on its weights).
+Tensor transformer_block(const ForwardCall& call, const AttentionWeights& attention, const FeedForwardWeights& ff,
+                         bool norm_first, bool allow_fast_path);
+
+/// Sizes checked by the modules' constructors, C++ and Python (exported for torchmha._C).
+TORCHMHA_API void check_cross_attention_sizes(int64_t query_dim, int64_t context_dim, int64_t heads,
+                                              int64_t dim_head);
+TORCHMHA_API void check_forward_expansion(int64_t forward_expansion);
+
+}  // namespace torchmha::core

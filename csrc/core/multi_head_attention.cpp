@@ -1,0 +1,98 @@
+// The attention core (multi_head_attention.h). Semantics follow torch.nn.MultiheadAttention
+// (torch/nn/functional.py, torch/nn/modules/activation.py); the tests compare with the installed torch.
+
+#include "multi_head_attention.h"
+
+#include "attend.h"
+#include "checks.h"
+#include "fast_path.h"
+#include "in_projection.h"
+
+namespace torchmha::core {
+namespace {
+
+// Unbatched (2-D) inputs gain a batch dimension of 1; identity was taken before (sharing_of).
+Tensor batched(const Tensor& x, bool is_batched, bool batch_first) {
+  return is_batched ? x : x.unsqueeze(batch_dim(batch_first));
+}
+
+// attn_mask (L, S) or (N*H, L, S) as a 4-D view broadcastable to (N, H, L, S).
+OptionalTensor attn_mask_4d(const OptionalTensor& mask, const Geometry& g, int64_t num_heads) {
+  if (!is_present(mask)) {
+    return std::nullopt;
+  }
+  return mask->dim() == 2 ? mask->view({1, 1, g.tgt_len, g.src_len})
+                          : mask->view({g.batch, num_heads, g.tgt_len, g.src_len});
+}
+
+// Weights as returned: averaged over heads unless asked otherwise, without N when unbatched.
+Tensor returned_weights(Tensor weights, const ForwardCall& call, const Geometry& g) {
+  if (call.average_attn_weights) {
+    weights = weights.mean(1);
+  }
+  return g.batched ? weights : weights.squeeze(0);
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> multi_head_attention(
+    const ForwardCall& call,
+    const AttentionWeights& weights,
+    int64_t embed_dim,
+    bool allow_fast_path) {
+  // validate
+  const Geometry g = validate_forward(call, weights, embed_dim);
+  const Sharing sharing = sharing_of(call.query, call.key, call.value);
+  const auto dtype = call.query.scalar_type();
+  OptionalTensor attn_mask = additive_mask(call.attn_mask, dtype);
+  OptionalTensor padding = additive_mask(call.key_padding_mask, dtype);
+
+  // fused fast path
+  if (allow_fast_path && fast_path_applies(call, weights)) {
+    check_mask_shapes(call, weights, g, /*attn_mask_is_read=*/true);
+    return fused_forward(call, weights, g, embed_dim, attn_mask, padding);
+  }
+
+  // project
+  const bool batch_first = call.batch_first;
+  const Tensor query = batched(call.query, g.batched, batch_first);
+  const Tensor key = batched(call.key, g.batched, batch_first);
+  const Tensor value = batched(call.value, g.batched, batch_first);
+  check_in_projection(weights.in_proj, embed_dim, embed_dim, key.size(-1), value.size(-1));
+  auto [q, k, v] = project_to_heads(query, key, value, weights.in_proj, sharing, weights.num_heads, batch_first);
+
+  // Without a padding mask or weights, SDPA applies causality itself and the mask is never read
+  // (torch does not even check its shape); the fast path above still uses it. Otherwise the
+  // mask is applied as given (merged with a padding mask it is no longer just causal).
+  const bool causal = call.is_causal && !is_present(padding) && !call.need_weights;
+  check_mask_shapes(call, weights, g, /*attn_mask_is_read=*/!causal);
+
+  // extra key positions
+  KeysValues kv{k, v, causal ? std::nullopt : attn_mask_4d(attn_mask, g, weights.num_heads),
+                is_present(padding) ? OptionalTensor(padding->view({g.batch, g.src_len})) : std::nullopt};
+  kv = append_extra_key_positions(std::move(kv), weights);
+  const int64_t total_src_len = kv.keys.size(2);
+  OptionalTensor mask = add_masks(
+      kv.attn_mask, is_present(kv.padding_mask) ? OptionalTensor(kv.padding_mask->view({g.batch, 1, 1, total_src_len}))
+                                                : std::nullopt);
+  check_mask_dtype(mask, q.scalar_type());
+
+  // attend
+  const double p = call.effective_dropout();
+  Tensor heads, attn_weights;
+  if (call.need_weights) {
+    std::tie(heads, attn_weights) = attend_with_weights(q, kv.keys, kv.values, mask, p);
+    attn_weights = returned_weights(attn_weights, call, g);
+  } else {
+    heads = attend(q, kv.keys, kv.values, mask, p, /*is_causal=*/causal);
+  }
+
+  // output projection
+  auto output = project_output(heads, weights, batch_first);
+  if (!g.batched) {
+    output = output.squeeze(batch_dim(batch_first));
+  }
+  return std::make_tuple(output, attn_weights);
+}
+
+}  // namespace torchmha::core

@@ -1,0 +1,116 @@
+"""torchmha.MultiheadAttention: torch.nn.MultiheadAttention with forward computed by the C++ core
+(C++: multihead_attention.h), its decoding methods, and replace_multihead_attention."""
+
+from typing import Optional, Tuple, Union
+
+from torch import Tensor, nn
+
+from ._ops import fast_path_allowed, ops
+from .functional import warn_if_mask_dtypes_differ
+from .kv_cache import KeyValueCache, StaticKeyValue
+
+
+class MultiheadAttention(nn.MultiheadAttention):
+    """Drop-in replacement for ``torch.nn.MultiheadAttention``, computed by torchmha's C++ core.
+
+    Constructor, attributes, parameters (names, shapes, registration and initialisation order),
+    state_dict, pickling and forward signature are torch's: the class derives from torch's, so a
+    checkpoint of either loads into the other and ``isinstance(m, torch.nn.MultiheadAttention)``
+    holds where torch's own Transformer layers check it. Only forward is replaced, and the
+    decoding methods forward_with_cache and project_key_value are added.
+
+    Differences from torch: the batch_first output is always contiguous; with need_weights=False
+    nothing of size L x S is built for key_padding_mask (it stays (N, 1, 1, S)).
+    """
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Optional[Tensor] = None,
+        need_weights: bool = True,
+        attn_mask: Optional[Tensor] = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        warn_if_mask_dtypes_differ(key_padding_mask, attn_mask)
+        return ops.multi_head_attention_forward(
+            query=query, key=key, value=value, embed_dim=self.embed_dim, num_heads=self.num_heads,
+            in_proj_weight=self.in_proj_weight, in_proj_bias=self.in_proj_bias, bias_k=self.bias_k,
+            bias_v=self.bias_v, add_zero_attn=self.add_zero_attn, dropout_p=self.dropout,
+            out_proj_weight=self.out_proj.weight, out_proj_bias=self.out_proj.bias, training=self.training,
+            key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
+            q_proj_weight=self.q_proj_weight, k_proj_weight=self.k_proj_weight, v_proj_weight=self.v_proj_weight,
+            average_attn_weights=average_attn_weights, is_causal=is_causal, batch_first=self.batch_first,
+            allow_fast_path=fast_path_allowed(),
+        )
+
+    def forward_with_cache(
+        self, query: Tensor, cache: Union[KeyValueCache, StaticKeyValue], key_padding_mask: Optional[Tensor] = None
+    ) -> Tensor:
+        """Cached attention for incremental decoding (forward itself is unchanged). Batched inputs only.
+
+        - ``cache`` a :class:`torchmha.KeyValueCache`: causal self-attention. ``query`` (T, N, E)
+          ((N, T, E) with batch_first) holds the next T positions; their keys and values are
+          appended to the cache and position i attends to every cached position up to its own, so
+          step-by-step decoding equals one causal forward over the whole sequence.
+          ``key_padding_mask`` (N, length + T) covers every key so far (True = ignore).
+        - ``cache`` a :class:`torchmha.StaticKeyValue` from :meth:`project_key_value`: attention to
+          a fixed memory, equal to ``self(query, key, value, key_padding_mask)[0]`` without
+          projecting it again.
+
+        Returns the output only, laid out like ``query``.
+        """
+        if isinstance(cache, KeyValueCache):
+            output = ops.attention_with_cache(
+                query=query, k_cache=cache.keys, v_cache=cache.values, cache_length=cache.length,
+                num_heads=self.num_heads, in_proj_weight=self.in_proj_weight, in_proj_bias=self.in_proj_bias,
+                out_proj_weight=self.out_proj.weight, out_proj_bias=self.out_proj.bias,
+                key_padding_mask=key_padding_mask, dropout_p=self.dropout, training=self.training,
+                batch_first=self.batch_first, q_proj_weight=self.q_proj_weight, k_proj_weight=self.k_proj_weight,
+                v_proj_weight=self.v_proj_weight, bias_k=self.bias_k, bias_v=self.bias_v,
+                add_zero_attn=self.add_zero_attn,
+            )
+            cache.length += query.shape[1 if self.batch_first else 0]  # once the op's checks passed
+            return output
+        if isinstance(cache, StaticKeyValue):
+            return ops.attention_with_static_key_value(
+                query=query, keys=cache.keys, values=cache.values, num_heads=self.num_heads,
+                in_proj_weight=self.in_proj_weight, in_proj_bias=self.in_proj_bias,
+                out_proj_weight=self.out_proj.weight, out_proj_bias=self.out_proj.bias,
+                key_padding_mask=key_padding_mask, dropout_p=self.dropout, training=self.training,
+                batch_first=self.batch_first, q_proj_weight=self.q_proj_weight, bias_k=self.bias_k,
+                bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
+            )
+        cache_type = f"{type(cache).__module__}.{type(cache).__qualname__}"
+        raise TypeError(
+            f"cache must be a torchmha.KeyValueCache or torchmha.StaticKeyValue, not {cache_type} "
+            "(the torchmha.cpp classes go with torchmha.cpp modules)"
+        )
+
+    def project_key_value(self, key: Tensor, value: Optional[Tensor] = None) -> StaticKeyValue:
+        """Projects a fixed memory (key (S, N, kdim), value (S, N, vdim), batch_first: (N, S, *);
+        value defaults to key) once into a :class:`torchmha.StaticKeyValue` for forward_with_cache."""
+        return StaticKeyValue(*ops.project_key_value(
+            key=key, value=value, num_heads=self.num_heads, in_proj_weight=self.in_proj_weight,
+            in_proj_bias=self.in_proj_bias, k_proj_weight=self.k_proj_weight, v_proj_weight=self.v_proj_weight,
+            batch_first=self.batch_first, bias_k=self.bias_k, bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
+        ))
+
+
+def replace_multihead_attention(model: nn.Module) -> int:
+    """Makes every ``torch.nn.MultiheadAttention`` inside ``model`` (and ``model`` itself) a
+    ``torchmha.MultiheadAttention`` in place and returns how many it changed.
+
+    The modules keep their identity, parameters (the same Parameter objects, so an optimizer
+    built before the swap still steps them), buffers, hooks, device, dtype and training mode: only
+    their class changes, which is sound because torchmha's class adds no state to torch's.
+    Subclasses of torch's class are left alone, as their forward may differ.
+    """
+    replaced = 0
+    for module in model.modules():
+        if type(module) is nn.MultiheadAttention:
+            module.__class__ = MultiheadAttention
+            replaced += 1
+    return replaced
