@@ -1,6 +1,6 @@
 #pragma once
 
-// The source article's layers on the attention core: CrossAttention's and TransformerBlock's
+// The source article's layers (docs/versions.md) on the attention core: CrossAttention's and TransformerBlock's
 // forward computations (the modules in csrc/modules own their parameters and call these).
 
 #include "arguments.h"

@@ -1,4 +1,4 @@
-// The article's v1-v4 (attention_versions.h). Each owns its parameters and makes one call into
+// The article's v1-v4 (attention_versions.h; docs/versions.md). Each owns its parameters and makes one call into
 // the functional core.
 
 #include <torchmha/attention_versions.h>

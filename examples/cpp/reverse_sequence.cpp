@@ -29,7 +29,7 @@ constexpr int kSteps = 300;
 
 // Token and position embeddings, one torchmha self-attention layer, a linear head. Reversing
 // needs only attention: position i attends to position length-1-i and copies its token. The
-// parameter names are those of the Python model in tests/python/test_checkpoints_cpp.py.
+// parameter names are those of the Python model in tests/python/test_serialization.py.
 struct ReverserImpl : torch::nn::Module {
   ReverserImpl()
       : token_embedding(register_module("token_embedding", torch::nn::Embedding(kVocabulary, kEmbedDim))),

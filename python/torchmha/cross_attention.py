@@ -1,4 +1,4 @@
-"""The source article's CrossAttention, its defects removed (C++: cross_attention.h)."""
+"""The source article's CrossAttention, its defects removed (docs/versions.md; C++: cross_attention.h)."""
 
 from typing import Optional
 

@@ -1,4 +1,4 @@
-"""The source article's Transformer block on torchmha's attention (C++: transformer_block.h)."""
+"""The source article's Transformer block on torchmha's attention (docs/versions.md; C++: transformer_block.h)."""
 
 from typing import Optional
 
