@@ -38,7 +38,8 @@ void bind_rules(py::module_& m) {
       arg("device") = py::none());
 }
 
-void bind_cpp_modules(py::module_& m) {
+// The article's v1-v4 (attention_versions.h).
+void bind_versions(py::module_& m) {
   using namespace torchmha;
   using py::arg;
 
@@ -90,6 +91,13 @@ void bind_cpp_modules(py::module_& m) {
              const std::optional<at::Tensor>& mask) { return self.forward(q, k, v, mask.value_or(at::Tensor())); },
           arg("query"), arg("key"), arg("value"), arg("mask") = py::none());
 
+}
+
+// MultiheadAttention with its cache methods; torch's Python signature.
+void bind_multihead_attention(py::module_& m) {
+  using namespace torchmha;
+  using py::arg;
+
   torch::python::bind_module<MultiheadAttentionImpl>(m, "MultiheadAttention")
       .def(
           py::init([](int64_t embed_dim, int64_t num_heads, double dropout, bool bias, bool add_bias_kv,
@@ -137,8 +145,12 @@ void bind_cpp_modules(py::module_& m) {
             return self.project_key_value(key, value.value_or(at::Tensor()));
           },
           arg("key"), arg("value") = py::none());
+}
 
-  // The C++ checkpoint functions, so Python can check what C++ programs write and read.
+// The C++ checkpoint functions (serialization.h), so Python can check what C++ programs write and read.
+void bind_serialization(py::module_& m) {
+  using namespace torchmha;
+  using py::arg;
   m.def(
       "save_state_dict",
       [](const torch::nn::Module& module, const std::string& path) { save_state_dict(module, path); },
@@ -254,6 +266,8 @@ PYBIND11_MODULE(_C, m) {
   bind_rules(m);
   auto cpp = m.def_submodule("cpp", "The C++ modules, bound with torch::python::bind_module.");
   bind_caches(cpp);
-  bind_cpp_modules(cpp);
+  bind_versions(cpp);
+  bind_multihead_attention(cpp);
+  bind_serialization(cpp);
   bind_layers(cpp);
 }

@@ -162,6 +162,15 @@ void check_mask_shapes(
   }
 }
 
+void warn_if_mask_dtypes_differ(const OptionalTensor& key_padding_mask, const OptionalTensor& attn_mask) {
+  if (is_present(key_padding_mask) && is_present(attn_mask) &&
+      key_padding_mask->scalar_type() != attn_mask->scalar_type()) {
+    TORCH_WARN(
+        "key_padding_mask (", key_padding_mask->scalar_type(), ") and attn_mask (", attn_mask->scalar_type(),
+        ") have different dtypes; mixing them is deprecated in torch.nn.MultiheadAttention: use one dtype for both.");
+  }
+}
+
 void check_mask_dtype(const OptionalTensor& mask, at::ScalarType query_dtype) {
   TORCH_CHECK(
       !is_present(mask) || mask->scalar_type() == query_dtype, "float masks must have the dtype of query (",

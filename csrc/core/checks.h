@@ -37,6 +37,10 @@ void check_mask_shapes(
     const Geometry& g,
     bool attn_mask_is_read);
 
+/// torch's deprecation warning for masks of different dtypes, for the C++ modules (Python's
+/// classes raise it through the warnings module, which a warning from inside an op does not reach).
+void warn_if_mask_dtypes_differ(const OptionalTensor& key_padding_mask, const OptionalTensor& attn_mask);
+
 /// key_padding_mask (N, S), or (S) for unbatched input.
 void check_padding_mask_shape(const Tensor& mask, int64_t batch, const c10::SymInt& src_len, bool batched);
 

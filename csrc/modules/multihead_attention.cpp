@@ -83,13 +83,7 @@ std::tuple<Tensor, Tensor> MultiheadAttentionImpl::forward(
     const Tensor& attn_mask,
     bool average_attn_weights,
     bool is_causal) {
-  // torch warns in Python (torchmha's Python classes too); LibTorch programs get the same warning here.
-  if (key_padding_mask.defined() && attn_mask.defined() &&
-      key_padding_mask.scalar_type() != attn_mask.scalar_type()) {
-    TORCH_WARN(
-        "key_padding_mask (", key_padding_mask.scalar_type(), ") and attn_mask (", attn_mask.scalar_type(),
-        ") have different dtypes; mixing them is deprecated in torch.nn.MultiheadAttention: use one dtype for both.");
-  }
+  core::warn_if_mask_dtypes_differ(optional_if_defined(key_padding_mask), optional_if_defined(attn_mask));
   return multi_head_attention_forward(
       query, key, value, options.embed_dim(), options.num_heads(), optional_if_defined(in_proj_weight),
       optional_if_defined(in_proj_bias), optional_if_defined(bias_k), optional_if_defined(bias_v),

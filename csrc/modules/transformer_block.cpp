@@ -3,6 +3,7 @@
 #include <torchmha/functional.h>
 #include <torchmha/transformer_block.h>
 
+#include "core/checks.h"
 #include "core/common.h"
 #include "core/layers.h"
 
@@ -37,6 +38,7 @@ void TransformerBlockImpl::pretty_print(std::ostream& stream) const {
 }
 
 Tensor TransformerBlockImpl::forward(const Tensor& x, const Tensor& attn_mask, const Tensor& key_padding_mask) {
+  core::warn_if_mask_dtypes_differ(optional_if_defined(key_padding_mask), optional_if_defined(attn_mask));
   return transformer_block(
       x, options.num_heads(), self_attn->in_proj_weight, optional_if_defined(self_attn->in_proj_bias),
       self_attn->out_proj->weight, optional_if_defined(self_attn->out_proj->bias), linear1->weight,
