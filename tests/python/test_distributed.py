@@ -21,7 +21,10 @@ STEPS = 3
 GLOBAL_BATCH = 8
 TOLERANCE = dict(atol=1e-12, rtol=1e-10)
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"),
+]
 
 
 class TinyAttentionModel(nn.Module):

@@ -1,11 +1,11 @@
-"""The article's v1-v4 and the packed in-projection, against torch.nn.MultiheadAttention."""
+"""The article's v1-v4 (torchmha.MultiheadAttentionV1..V4), against torch.nn.MultiheadAttention."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import torchmha
-from conftest import assert_close, torch_reference_for_separate
+from helpers import assert_close, torch_reference_for_separate
 
 DTYPES = [torch.float64, torch.float32]
 
@@ -196,52 +196,6 @@ def test_modules_behave_as_torch_modules():
     doubled = v4.double()
     assert doubled is v4 and v4.in_proj.weight.dtype == torch.float64
     assert v4(x.double(), x.double(), x.double()).dtype == torch.float64
-
-
-# ----------------------------------------------------------------------- packed in-projection
-@pytest.mark.parametrize("case", ["self", "encoder_decoder", "general"])
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_in_projection_packed_matches_torch(case, with_bias):
-    E = 6
-    w = torch.randn(3 * E, E, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(3 * E, dtype=torch.float64, requires_grad=True) if with_bias else None
-    q = torch.randn(4, 2, E, dtype=torch.float64)
-    if case == "self":
-        k = v = q
-    elif case == "encoder_decoder":
-        k = v = torch.randn(5, 2, E, dtype=torch.float64)
-    else:
-        k, v = torch.randn(5, 2, E, dtype=torch.float64), torch.randn(5, 2, E, dtype=torch.float64)
-    ours = torchmha.in_projection_packed(q, k, v, w, b)
-    ref = F._in_projection_packed(q, k, v, w, b)
-    assert isinstance(ours, tuple) and len(ours) == 3
-    for a, r in zip(ours, ref):
-        assert_close(a, r)
-    grads = torch.autograd.grad(sum((t * (i + 1)).sum() for i, t in enumerate(ours)), [w])
-    ref_grads = torch.autograd.grad(sum((t * (i + 1)).sum() for i, t in enumerate(ref)), [w])
-    assert_close(grads[0], ref_grads[0])
-
-
-def test_in_projection_packed_decides_by_identity_not_value():
-    """Equal values in different tensors take the general path; results are the same."""
-    E = 4
-    w, b = torch.randn(3 * E, E), torch.randn(3 * E)
-    q = torch.randn(3, 1, E)
-    same_values = q.clone()
-    for a, r in zip(torchmha.in_projection_packed(q, same_values, q, w, b), F._in_projection_packed(q, same_values, q, w, b)):
-        assert_close(a, r)
-
-
-def test_in_projection_matches_torch_and_checks_shapes():
-    q, k, v = torch.randn(3, 8), torch.randn(5, 3), torch.randn(5, 7)
-    w_q, w_k, w_v = torch.randn(8, 8), torch.randn(8, 3), torch.randn(8, 7)
-    b = [torch.randn(8) for _ in range(3)]
-    for a, r in zip(torchmha.in_projection(q, k, v, w_q, w_k, w_v, *b), F._in_projection(q, k, v, w_q, w_k, w_v, *b)):
-        assert_close(a, r)
-    with pytest.raises(AssertionError, match=r"key weight.*\(8, 3\).*\[8, 4\]"):
-        torchmha.in_projection(q, k, v, w_q, torch.randn(8, 4), w_v)
-    with pytest.raises(AssertionError, match=r"value bias"):
-        torchmha.in_projection(q, k, v, w_q, w_k, w_v, b[0], b[1], torch.randn(3))
 
 
 # -------------------------------------------------------------------------------- bad input

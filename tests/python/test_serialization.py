@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import torchmha
-from conftest import assert_close
+from helpers import assert_close
 
 MHA_CONFIGS = [
     dict(embed_dim=16, num_heads=4),
@@ -144,6 +144,7 @@ def example_outputs(tmp_path_factory):
     return out_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention_class", [torchmha.MultiheadAttention, nn.MultiheadAttention], ids=["torchmha", "torch"])
 def test_model_trained_in_cpp_loads_into_python(example_outputs, attention_class):
     model = Reverser(attention_class)
@@ -160,6 +161,7 @@ def test_model_trained_in_cpp_loads_into_python(example_outputs, attention_class
     assert (logits.argmax(-1) == sample["tokens"].flip(1)).float().mean() > 0.9
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning")
 def test_libtorch_archive_of_the_model_reads_in_python(example_outputs):
     # torch::save(module) writes a TorchScript archive; torch.jit.load reads its parameters by name.

@@ -1,4 +1,5 @@
-"""The C++ modules seen from Python, weight copies between C++ and Python, and the import order."""
+"""torchmha.cpp: the C++ modules seen from Python, weight copies between C++ and Python, and the
+import order."""
 
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import torchmha
-from conftest import assert_close
+from helpers import assert_close, causal_mask, decode, mha_pair, padding_mask
 
 
 def test_cpp_and_python_modules_agree_after_copying_weights():
@@ -40,6 +41,42 @@ def test_cpp_versions_agree_with_python_versions(name, args, call):
     torchmha.cpp.copy_parameters(py, cpp)
     x = torch.randn(5, 2, 8)
     assert_close(call(cpp.forward, x), call(py, x), torch.float32)
+
+
+def test_cpp_module_decoding_matches_python():
+    E, H, N, L = 16, 4, 3, 11
+    ref, ours = mha_pair(E, H, dtype=torch.float32, seed=5)
+    cpp_mha = torchmha.cpp.MultiheadAttention(E, H)
+    torchmha.cpp.copy_parameters(ours, cpp_mha)
+    cpp_mha.eval()
+    x = torch.randn(L, N, E)
+    kpm = padding_mask(N, L)
+    expected = ref(x, x, x, key_padding_mask=kpm, attn_mask=causal_mask(L), need_weights=False)[0]
+    cache = torchmha.cpp.KeyValueCache.for_module(cpp_mha, N, L)
+    with torch.no_grad():
+        actual = decode(cpp_mha, x, cache, 2, False, kpm)
+    assert cache.length == L and cache.keys.shape == (N, H, L, E // H)
+    assert_close(actual, expected, torch.float32)
+
+
+def test_cpp_cross_attention_matches_python():
+    py = torchmha.CrossAttention(12, context_dim=6, heads=3, dim_head=5)
+    cpp = torchmha.cpp.CrossAttention(12, context_dim=6, heads=3, dim_head=5)
+    torchmha.cpp.copy_parameters(py, cpp)
+    x, context = torch.randn(2, 7, 12), torch.randn(2, 9, 6)
+    keep = torch.ones(2, 9, dtype=torch.bool)
+    keep[1, 4:] = False
+    assert_close(cpp.forward(x, context, keep), py(x, context, keep), torch.float32)
+    assert_close(cpp.forward_with_cache(x, cpp.project_context(context), keep), py(x, context, keep), torch.float32)
+
+
+def test_cpp_transformer_block_matches_python():
+    py = torchmha.TransformerBlock(16, 4, forward_expansion=2, norm_first=True).eval()
+    cpp = torchmha.cpp.TransformerBlock(16, 4, forward_expansion=2, norm_first=True)
+    torchmha.cpp.copy_parameters(py, cpp)
+    cpp.eval()
+    x = torch.randn(2, 5, 16)
+    assert_close(cpp.forward(x, causal_mask(5)), py(x, causal_mask(5)), torch.float32)
 
 
 def test_copy_parameters_rejects_mismatches():

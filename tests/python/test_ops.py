@@ -1,11 +1,12 @@
-"""The registered ops under torch.compile, opcheck and torch.export."""
+"""The registered ops (torch.ops.torchmha.*) as ops: opcheck, torch.compile, torch.export, function
+transforms, and the gradient to a float mask. Compiled decoding is in test_kv_cache.py."""
 
 import pytest
 import torch
 from torch.library import opcheck
 
 import torchmha
-from conftest import assert_close, mha_pair
+from helpers import assert_close, mha_pair
 
 
 class TinyModel(torch.nn.Module):
@@ -85,22 +86,6 @@ def test_export_matches_eager():
     # torch's own module would export an SDPA node too: only our op shows the swap held.
     assert any("torchmha.multi_head_attention_forward" in str(node.target) for node in exported.graph.nodes)
     assert_close(exported.module()(x), model(x), torch.float32)
-
-
-def test_functional_api_matches_torch():
-    ref, ours = mha_pair(8, 2, kdim=3, vdim=5)
-    q = torch.randn(4, 2, 8, dtype=torch.float64)
-    k = torch.randn(6, 2, 3, dtype=torch.float64)
-    v = torch.randn(6, 2, 5, dtype=torch.float64)
-    args = (q, k, v, 8, 2, None, ref.in_proj_bias, None, None, False, 0.0, ref.out_proj.weight, ref.out_proj.bias)
-    kwargs = dict(training=False, use_separate_proj_weight=True, q_proj_weight=ref.q_proj_weight,
-                  k_proj_weight=ref.k_proj_weight, v_proj_weight=ref.v_proj_weight)
-    expected = torch.nn.functional.multi_head_attention_forward(*args, **kwargs)
-    got = torchmha.multi_head_attention_forward(*args, **kwargs)
-    assert_close(got[0], expected[0])
-    assert_close(got[1], expected[1])
-    with pytest.raises(NotImplementedError):
-        torchmha.multi_head_attention_forward(*args, **kwargs, static_k=k)
 
 
 def decoding_samples():
