@@ -27,31 +27,23 @@ CONFIGS = [
 
 
 # ------------------------------------------------------------------------------- construction
-@pytest.mark.parametrize("config", CONFIGS)
-def test_new_module_has_torchs_parameters(config):
-    torch.manual_seed(7)
-    ref = torch.nn.MultiheadAttention(**config)
-    torch.manual_seed(7)
-    ours = torchmha.MultiheadAttention(**config)
-    assert isinstance(ours, torch.nn.MultiheadAttention)
-    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in ref.named_parameters()]
-    assert list(ours.state_dict()) == list(ref.state_dict())
-    for (name, a), b in zip(ours.state_dict().items(), ref.state_dict().values()):
-        assert torch.equal(a, b), name
-    for attr in ("embed_dim", "kdim", "vdim", "num_heads", "head_dim", "dropout", "batch_first",
-                 "_qkv_same_embed_dim", "add_zero_attn"):
-        assert getattr(ours, attr) == getattr(ref, attr), attr
-    assert repr(ours) == repr(ref)
+def test_class_adds_only_its_three_methods_to_torchs():
+    """Constructor, parameters, state_dict, pickling, repr and to() are torch's own code, inherited:
+    comparing them with torch's would compare torch with itself. What makes them ours to test is
+    that the class overrides none of them. Defining anything else in the class (an __init__ or
+    __setstate__, a state_dict, a class attribute) fails here, and needs its own tests against torch."""
+    assert torchmha.MultiheadAttention.__bases__ == (torch.nn.MultiheadAttention,)
+    class_metadata = {"__module__", "__qualname__", "__doc__", "__firstlineno__", "__static_attributes__"}
+    assert set(vars(torchmha.MultiheadAttention)) - class_metadata == {"forward", "forward_with_cache", "project_key_value"}
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_checkpoints_load_both_ways(config):
-    ref, ours = mha_pair(**config)
-    fresh_ref = torch.nn.MultiheadAttention(**config, dtype=torch.float64)
-    fresh_ref.load_state_dict(ours.state_dict(), strict=True)
+def test_torch_checkpoint_loads_and_runs(config):
+    """torch's checkpoint in a fresh torchmha module computes torch's result with our forward."""
+    ref, _ = mha_pair(**config)
     fresh_ours = torchmha.MultiheadAttention(**config, dtype=torch.float64)
     fresh_ours.load_state_dict(ref.state_dict(), strict=True)
-    ref.eval(), fresh_ref.eval(), fresh_ours.eval()
+    ref.eval(), fresh_ours.eval()
     def seq(length, features):  # (L, N, E) or (N, L, E)
         shape = (2, length, features) if config.get("batch_first") else (length, 2, features)
         return torch.randn(shape, dtype=torch.float64)
@@ -61,11 +53,10 @@ def test_checkpoints_load_both_ways(config):
     v = seq(4, config.get("vdim") or config["embed_dim"])
     expected = ref(q, k, v)[0]
     assert_close(fresh_ours(q, k, v)[0], expected)
-    assert_close(fresh_ref(q, k, v)[0], expected)
 
 
-def test_serialization_copies_and_conversions():
-    ref, ours = mha_pair(8, 2, add_bias_kv=True)
+def test_copies_and_pickles_compute_the_same():
+    _, ours = mha_pair(8, 2, add_bias_kv=True)
     x = torch.randn(4, 3, 8, dtype=torch.float64)
     expected = ours(x, x, x)[0]
     assert_close(copy.deepcopy(ours)(x, x, x)[0], expected)
@@ -76,17 +67,12 @@ def test_serialization_copies_and_conversions():
     loaded = torch.load(buffer, weights_only=False)
     assert type(loaded) is torchmha.MultiheadAttention
     assert_close(loaded(x, x, x)[0], expected)
-    # Old pickles without _qkv_same_embed_dim load, as torch's __setstate__ allows.
+    # An old pickle without _qkv_same_embed_dim (torch's __setstate__ fills it in) runs our forward.
     state = ours.__getstate__()
     del state["_qkv_same_embed_dim"]
     old = torchmha.MultiheadAttention.__new__(torchmha.MultiheadAttention)
     old.__setstate__(state)
-    assert old._qkv_same_embed_dim is True
     assert_close(old(x, x, x)[0], expected)
-    as_float = ours.to(torch.float32)
-    assert as_float is ours and ours.in_proj_weight.dtype == torch.float32
-    assert ours.to("cpu", torch.float64) is ours
-    assert ours.to(device="meta").in_proj_weight.is_meta
 
 
 # ----------------------------------------------------------------------- randomized parity
