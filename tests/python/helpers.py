@@ -103,6 +103,9 @@ def torch_fails_on_empty_reshape(expected):
 
 
 def assert_same_behaviour(ref_fn, our_fn, context="", ref_without_empty_masks=None):
+    """torch's call and torchmha's behave alike: both raise (torchmha an exception of torch's type,
+    with a message), or both return the same structure of outputs (as many, None where torch has
+    None) with equal values."""
     expected, got = outcome(ref_fn), outcome(our_fn)
     if ref_without_empty_masks is not None and torch_fails_on_empty_reshape(expected):
         expected = outcome(ref_without_empty_masks)
@@ -112,9 +115,14 @@ def assert_same_behaviour(ref_fn, our_fn, context="", ref_without_empty_masks=No
         assert len(got[2]) > 15, f"unhelpful message {got[2]!r} ({context})"
         return got
     assert got[0] == "ok", f"torch succeeded but torchmha raised {got[1].__name__}: {got[2]} ({context})"
-    for a, b in zip(flatten(got[1]), flatten(expected[1])):
+    ours, theirs = flatten(got[1]), flatten(expected[1])
+    assert len(ours) == len(theirs), f"torchmha returned {len(ours)} outputs, torch {len(theirs)} ({context})"
+    assert [a is None for a in ours] == [b is None for b in theirs], (
+        f"None outputs differ: torchmha {[a is None for a in ours]}, torch {[b is None for b in theirs]} ({context})"
+    )
+    for a, b in zip(ours, theirs):
         if isinstance(b, torch.Tensor):
-            assert a is not None and a.shape == b.shape, context
+            assert isinstance(a, torch.Tensor) and a.shape == b.shape, context
             if b.is_meta or b.numel() == 0:
                 continue
             tol = TOLERANCE.get(b.dtype, 1e-2)
