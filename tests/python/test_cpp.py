@@ -107,6 +107,8 @@ def test_cpp_errors_reach_python_with_torchs_types():
 
 
 def test_import_before_torch():
+    """torchmha imported before torch works: its __init__.py imports torch before the extension
+    (without that line, _C fails to load: 'referenced unknown base type "torch::nn::Module"')."""
     code = "import torchmha, torch; m = torchmha.MultiheadAttention(4, 2); x = torch.randn(3, 1, 4); print(m(x, x, x)[0].shape)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
