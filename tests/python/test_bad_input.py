@@ -1,8 +1,8 @@
 """The bad-input catalogue: malformed calls (and valid calls at the edges) of every public entry
 point, and a fuzz test mixing valid and invalid calls. The rule everywhere: behave exactly like
 torch (same result, or an exception of torch's type with a message that says what is wrong), never
-crash, never return a silently different number. Decoding errors are in test_kv_cache.py; the
-same calls through the C++ classes are compared with the Python ones in test_cpp.py."""
+crash, never return a silently different number. Decoding errors are in test_kv_cache.py; good
+and bad calls of the C++ classes are compared with the Python classes' in test_cpp.py."""
 
 import os
 
