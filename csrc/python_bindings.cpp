@@ -7,6 +7,7 @@
 #include <torchmha/torchmha.h>
 
 #include "core/checks.h"
+#include "core/fast_path.h"
 #include "core/layers.h"
 
 #include <torch/extension.h>
@@ -15,6 +16,22 @@
 namespace py = pybind11;
 
 namespace {
+
+// A C++ module's forward called from Python behaves as torch's module there: it follows
+// torch.backends.mha's fast-path switch, and its TORCH_WARNs become Python warnings (torch's own
+// bindings do the same with PyWarningHandler), so warning filters see them.
+template <typename Fn>
+auto as_python_forward(Fn&& forward) {
+  const bool fast_path = py::module_::import("torch.backends.mha").attr("get_fastpath_enabled")().cast<bool>();
+  torchmha::core::FastPathOverride fast_path_override(fast_path);
+  torch::PyWarningHandler warnings;
+  try {
+    return forward();
+  } catch (...) {
+    warnings.set_in_exception();
+    throw;
+  }
+}
 
 // Construction-time rules of the core, for the Python classes' constructors (never traced, so
 // plain functions rather than ops).
@@ -38,32 +55,44 @@ void bind_rules(py::module_& m) {
       arg("device") = py::none());
 }
 
+// torch's bind_module, with `forward` and `__call__` bound to `forward` (a binding with torch's
+// Python signature): the plain bind_module also binds the C++ forward itself to both, and that
+// overload would win for positional calls.
+template <typename Impl, typename Forward, typename... Extra>
+auto bind_module_with_forward(py::module_& m, const char* name, Forward forward, const Extra&... extra) {
+  return torch::python::bind_module<Impl, /*force_enable=*/true>(m, name)
+      .def("forward", forward, extra...)
+      .def("__call__", forward, extra...);
+}
+
 // The article's v1-v4 (attention_versions.h).
 void bind_versions(py::module_& m) {
   using namespace torchmha;
   using py::arg;
 
-  torch::python::bind_module<MultiheadAttentionV1Impl>(m, "MultiheadAttentionV1")
+  bind_module_with_forward<MultiheadAttentionV1Impl>(m, "MultiheadAttentionV1", &MultiheadAttentionV1Impl::forward, arg("x"))
       .def(
           py::init([](int64_t embed_dim) { return std::make_shared<MultiheadAttentionV1Impl>(embed_dim); }),
-          arg("embed_dim"))
-      .def("forward", &MultiheadAttentionV1Impl::forward, arg("x"));
+          arg("embed_dim"));
 
-  torch::python::bind_module<MultiheadAttentionV2Impl>(m, "MultiheadAttentionV2")
+  bind_module_with_forward<MultiheadAttentionV2Impl>(
+      m, "MultiheadAttentionV2",
+      [](MultiheadAttentionV2Impl& self, const at::Tensor& x, const std::optional<at::Tensor>& mask) {
+        return self.forward(x, mask.value_or(at::Tensor()));
+      },
+      arg("x"), arg("mask") = py::none())
       .def(
           py::init([](int64_t embed_dim, int64_t num_heads, double dropout) {
             return std::make_shared<MultiheadAttentionV2Impl>(
                 MultiheadAttentionV2Options(embed_dim, num_heads).dropout(dropout));
           }),
-          arg("embed_dim"), arg("num_heads"), arg("dropout") = 0.0)
-      .def(
-          "forward",
-          [](MultiheadAttentionV2Impl& self, const at::Tensor& x, const std::optional<at::Tensor>& mask) {
-            return self.forward(x, mask.value_or(at::Tensor()));
-          },
-          arg("x"), arg("mask") = py::none());
+          arg("embed_dim"), arg("num_heads"), arg("dropout") = 0.0);
 
-  torch::python::bind_module<MultiheadAttentionV3Impl>(m, "MultiheadAttentionV3")
+  bind_module_with_forward<MultiheadAttentionV3Impl>(
+      m, "MultiheadAttentionV3",
+      [](MultiheadAttentionV3Impl& self, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+         const std::optional<at::Tensor>& mask) { return self.forward(q, k, v, mask.value_or(at::Tensor())); },
+      arg("query"), arg("key"), arg("value"), arg("mask") = py::none())
       .def(
           py::init([](int64_t embed_dim, int64_t num_heads, std::optional<int64_t> kdim,
                       std::optional<int64_t> vdim, double dropout) {
@@ -71,26 +100,19 @@ void bind_versions(py::module_& m) {
                 MultiheadAttentionV3Options(embed_dim, num_heads).kdim(kdim).vdim(vdim).dropout(dropout));
           }),
           arg("embed_dim"), arg("num_heads"), arg("kdim") = py::none(), arg("vdim") = py::none(),
-          arg("dropout") = 0.0)
-      .def(
-          "forward",
-          [](MultiheadAttentionV3Impl& self, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-             const std::optional<at::Tensor>& mask) { return self.forward(q, k, v, mask.value_or(at::Tensor())); },
-          arg("query"), arg("key"), arg("value"), arg("mask") = py::none());
+          arg("dropout") = 0.0);
 
-  torch::python::bind_module<MultiheadAttentionV4Impl>(m, "MultiheadAttentionV4")
+  bind_module_with_forward<MultiheadAttentionV4Impl>(
+      m, "MultiheadAttentionV4",
+      [](MultiheadAttentionV4Impl& self, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+         const std::optional<at::Tensor>& mask) { return self.forward(q, k, v, mask.value_or(at::Tensor())); },
+      arg("query"), arg("key"), arg("value"), arg("mask") = py::none())
       .def(
           py::init([](int64_t embed_dim, int64_t num_heads, double dropout) {
             return std::make_shared<MultiheadAttentionV4Impl>(
                 MultiheadAttentionV4Options(embed_dim, num_heads).dropout(dropout));
           }),
-          arg("embed_dim"), arg("num_heads"), arg("dropout") = 0.0)
-      .def(
-          "forward",
-          [](MultiheadAttentionV4Impl& self, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-             const std::optional<at::Tensor>& mask) { return self.forward(q, k, v, mask.value_or(at::Tensor())); },
-          arg("query"), arg("key"), arg("value"), arg("mask") = py::none());
-
+          arg("embed_dim"), arg("num_heads"), arg("dropout") = 0.0);
 }
 
 // MultiheadAttention with its cache methods; torch's Python signature.
@@ -98,7 +120,21 @@ void bind_multihead_attention(py::module_& m) {
   using namespace torchmha;
   using py::arg;
 
-  torch::python::bind_module<MultiheadAttentionImpl>(m, "MultiheadAttention")
+  bind_module_with_forward<MultiheadAttentionImpl>(
+      m, "MultiheadAttention",
+      [](MultiheadAttentionImpl& self, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+         const std::optional<at::Tensor>& key_padding_mask, bool need_weights,
+         const std::optional<at::Tensor>& attn_mask, bool average_attn_weights, bool is_causal) {
+        auto [output, weights] = as_python_forward([&] {
+          return self.forward(
+              query, key, value, key_padding_mask.value_or(at::Tensor()), need_weights,
+              attn_mask.value_or(at::Tensor()), average_attn_weights, is_causal);
+        });
+        return std::make_tuple(output, torchmha::core::optional_if_defined(weights));
+      },
+      arg("query"), arg("key"), arg("value"), arg("key_padding_mask") = py::none(),
+      arg("need_weights") = true, arg("attn_mask") = py::none(), arg("average_attn_weights") = true,
+      arg("is_causal") = false)
       .def(
           py::init([](int64_t embed_dim, int64_t num_heads, double dropout, bool bias, bool add_bias_kv,
                       bool add_zero_attn, std::optional<int64_t> kdim, std::optional<int64_t> vdim,
@@ -115,19 +151,7 @@ void bind_multihead_attention(py::module_& m) {
           arg("embed_dim"), arg("num_heads"), arg("dropout") = 0.0, arg("bias") = true,
           arg("add_bias_kv") = false, arg("add_zero_attn") = false, arg("kdim") = py::none(),
           arg("vdim") = py::none(), arg("batch_first") = false)
-      .def(
-          "forward",
-          [](MultiheadAttentionImpl& self, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-             const std::optional<at::Tensor>& key_padding_mask, bool need_weights,
-             const std::optional<at::Tensor>& attn_mask, bool average_attn_weights, bool is_causal) {
-            auto [output, weights] = self.forward(
-                query, key, value, key_padding_mask.value_or(at::Tensor()), need_weights,
-                attn_mask.value_or(at::Tensor()), average_attn_weights, is_causal);
-            return std::make_tuple(output, torchmha::core::optional_if_defined(weights));
-          },
-          arg("query"), arg("key"), arg("value"), arg("key_padding_mask") = py::none(),
-          arg("need_weights") = true, arg("attn_mask") = py::none(), arg("average_attn_weights") = true,
-          arg("is_causal") = false)
+
       .def(
           "forward_with_cache",
           [](MultiheadAttentionImpl& self, const at::Tensor& query, py::object cache,
@@ -177,7 +201,7 @@ void bind_caches(py::module_& m) {
           py::init([](int64_t batch_size, int64_t num_heads, int64_t max_length, int64_t head_dim,
                       std::optional<at::ScalarType> dtype) {
             return KeyValueCache(
-                batch_size, num_heads, max_length, head_dim, at::TensorOptions().dtype(dtype.value_or(at::kFloat)));
+                batch_size, num_heads, max_length, head_dim, at::TensorOptions().dtype(dtype));
           }),
           arg("batch_size"), arg("num_heads"), arg("max_length"), arg("head_dim"), arg("dtype") = py::none())
       .def_static(
@@ -202,7 +226,13 @@ void bind_layers(py::module_& m) {
   using namespace torchmha;
   using py::arg;
 
-  torch::python::bind_module<CrossAttentionImpl>(m, "CrossAttention")
+  bind_module_with_forward<CrossAttentionImpl>(
+      m, "CrossAttention",
+      [](CrossAttentionImpl& self, const at::Tensor& x, const std::optional<at::Tensor>& context,
+         const std::optional<at::Tensor>& mask) {
+        return self.forward(x, context.value_or(at::Tensor()), mask.value_or(at::Tensor()));
+      },
+      arg("x"), arg("context") = py::none(), arg("mask") = py::none())
       .def(
           py::init([](int64_t query_dim, std::optional<int64_t> context_dim, int64_t heads, int64_t dim_head,
                       double dropout) {
@@ -211,13 +241,7 @@ void bind_layers(py::module_& m) {
           }),
           arg("query_dim"), arg("context_dim") = py::none(), arg("heads") = 8, arg("dim_head") = 64,
           arg("dropout") = 0.0)
-      .def(
-          "forward",
-          [](CrossAttentionImpl& self, const at::Tensor& x, const std::optional<at::Tensor>& context,
-             const std::optional<at::Tensor>& mask) {
-            return self.forward(x, context.value_or(at::Tensor()), mask.value_or(at::Tensor()));
-          },
-          arg("x"), arg("context") = py::none(), arg("mask") = py::none())
+
       .def("project_context", &CrossAttentionImpl::project_context, arg("context"))
       .def(
           "forward_with_cache",
@@ -227,7 +251,15 @@ void bind_layers(py::module_& m) {
           },
           arg("x"), arg("context"), arg("mask") = py::none());
 
-  torch::python::bind_module<TransformerBlockImpl>(m, "TransformerBlock")
+  bind_module_with_forward<TransformerBlockImpl>(
+      m, "TransformerBlock",
+      [](TransformerBlockImpl& self, const at::Tensor& x, const std::optional<at::Tensor>& attn_mask,
+         const std::optional<at::Tensor>& key_padding_mask) {
+        return as_python_forward([&] {
+          return self.forward(x, attn_mask.value_or(at::Tensor()), key_padding_mask.value_or(at::Tensor()));
+        });
+      },
+      arg("x"), arg("attn_mask") = py::none(), arg("key_padding_mask") = py::none())
       .def(
           py::init([](int64_t embed_dim, int64_t num_heads, double dropout, int64_t forward_expansion, bool norm_first) {
             return std::make_shared<TransformerBlockImpl>(TransformerBlockOptions(embed_dim, num_heads)
@@ -236,14 +268,7 @@ void bind_layers(py::module_& m) {
                                                               .norm_first(norm_first));
           }),
           arg("embed_dim"), arg("num_heads"), arg("dropout") = 0.0, arg("forward_expansion") = 4,
-          arg("norm_first") = false)
-      .def(
-          "forward",
-          [](TransformerBlockImpl& self, const at::Tensor& x, const std::optional<at::Tensor>& attn_mask,
-             const std::optional<at::Tensor>& key_padding_mask) {
-            return self.forward(x, attn_mask.value_or(at::Tensor()), key_padding_mask.value_or(at::Tensor()));
-          },
-          arg("x"), arg("attn_mask") = py::none(), arg("key_padding_mask") = py::none());
+          arg("norm_first") = false);
 }
 
 }  // namespace

@@ -3,10 +3,37 @@
 #include "fast_path.h"
 
 #include <ATen/autocast_mode.h>
+
+#include <atomic>
 #include <ATen/ops/_native_multi_head_attention.h>
 #include <c10/core/GradMode.h>
 
-namespace torchmha::core {
+namespace torchmha {
+namespace {
+
+std::atomic<bool> fast_path_switch{true};
+thread_local std::optional<bool> fast_path_override;
+
+}  // namespace
+
+void set_fast_path_enabled(bool enabled) {
+  fast_path_switch = enabled;
+}
+
+bool fast_path_enabled() {
+  return fast_path_override.value_or(fast_path_switch.load());
+}
+
+namespace core {
+
+FastPathOverride::FastPathOverride(bool enabled) : previous_(fast_path_override) {
+  fast_path_override = enabled;
+}
+
+FastPathOverride::~FastPathOverride() {
+  fast_path_override = previous_;
+}
+
 namespace {
 
 bool on_fast_path_device(const OptionalTensor& t) {
@@ -92,4 +119,5 @@ std::tuple<Tensor, Tensor> fused_forward(
       w.out_bias.value_or(Tensor()), merged, call.need_weights, call.average_attn_weights, mask_type);
 }
 
-}  // namespace torchmha::core
+}  // namespace core
+}  // namespace torchmha

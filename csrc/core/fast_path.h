@@ -6,9 +6,27 @@
 #include "arguments.h"
 #include "checks.h"
 
+#include <torchmha/export.h>
+#include <torchmha/functional.h>
+
+#include <optional>
+
 #include <tuple>
 
 namespace torchmha::core {
+
+/// Overrides set_fast_path_enabled() on this thread while it lives: torchmha._C's bound C++
+/// modules follow Python's torch.backends.mha switch with it. (Exported for torchmha._C.)
+class TORCHMHA_API FastPathOverride {
+ public:
+  explicit FastPathOverride(bool enabled);
+  ~FastPathOverride();
+  FastPathOverride(const FastPathOverride&) = delete;
+  FastPathOverride& operator=(const FastPathOverride&) = delete;
+
+ private:
+  std::optional<bool> previous_;
+};
 
 /// torch's conditions, less those only Python can see (the fast-path switch, tracing), which the
 /// caller folds into allow_fast_path.

@@ -90,7 +90,7 @@ std::tuple<Tensor, Tensor> MultiheadAttentionImpl::forward(
       options.add_zero_attn(), options.dropout(), out_proj->weight, optional_if_defined(out_proj->bias),
       is_training(), optional_if_defined(key_padding_mask), need_weights, optional_if_defined(attn_mask),
       optional_if_defined(q_proj_weight), optional_if_defined(k_proj_weight), optional_if_defined(v_proj_weight),
-      average_attn_weights, is_causal, options.batch_first(), /*allow_fast_path=*/true);
+      average_attn_weights, is_causal, options.batch_first(), fast_path_enabled());
 }
 
 // ---------------------------------------------------------------------------------- decoding

@@ -44,7 +44,7 @@ Tensor TransformerBlockImpl::forward(const Tensor& x, const Tensor& attn_mask, c
       self_attn->out_proj->weight, optional_if_defined(self_attn->out_proj->bias), linear1->weight,
       optional_if_defined(linear1->bias), linear2->weight, optional_if_defined(linear2->bias), norm1->weight,
       norm1->bias, norm2->weight, norm2->bias, options.layer_norm_eps(), self_attn->options.dropout(), dropout->options.p(), options.norm_first(),
-      is_training(), optional_if_defined(attn_mask), optional_if_defined(key_padding_mask), /*allow_fast_path=*/true);
+      is_training(), optional_if_defined(attn_mask), optional_if_defined(key_padding_mask), fast_path_enabled());
 }
 
 }  // namespace torchmha

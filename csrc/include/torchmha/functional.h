@@ -21,6 +21,13 @@
 
 namespace torchmha {
 
+/// Whether the C++ modules (MultiheadAttention, TransformerBlock) take torch's fused inference
+/// path (torch._native_multi_head_attention) where torch would: the C++ counterpart of Python's
+/// torch.backends.mha.set_fastpath_enabled, process-wide, true by default. (Bound into Python as
+/// torchmha.cpp, they follow torch.backends.mha's switch instead.)
+TORCHMHA_API void set_fast_path_enabled(bool enabled);
+TORCHMHA_API bool fast_path_enabled();
+
 /// torch.nn.functional._in_projection_packed: q, k, v through one packed weight `w` (3E, E)
 /// (rows q, k, v) and bias `b` (3E). The case is chosen by tensor identity, never by value:
 /// q, k and v one tensor (self-attention): one GEMM; only k and v (encoder-decoder): two; else three.
