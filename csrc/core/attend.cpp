@@ -117,8 +117,15 @@ std::pair<Tensor, Tensor> attend_with_weights(const Tensor& q, const Tensor& k, 
   return {output, weights};
 }
 
-Tensor project_output(const Tensor& heads, const AttentionWeights& weights, bool batch_first) {
-  return at::linear(merge_heads(heads, batch_first), weights.out_weight, weights.out_bias);
+Tensor project_output(const Tensor& heads, const AttentionWeights& weights, bool batch_first, bool contiguous) {
+  // torch's slow path computes the output sequence first, (L, N, E), and returns batch_first as its
+  // transposed view; its fused path returns (N, L, E) contiguous. The same strides here, so a
+  // dropout after the attention draws the same mask under a seed.
+  if (batch_first && contiguous) {
+    return at::linear(heads.transpose(1, 2).flatten(-2), weights.out_weight, weights.out_bias);
+  }
+  auto output = at::linear(merge_heads(heads), weights.out_weight, weights.out_bias);
+  return batch_first ? output.transpose(0, 1) : output;
 }
 
 }  // namespace torchmha::core

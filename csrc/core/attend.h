@@ -48,7 +48,10 @@ std::pair<Tensor, Tensor> attend_with_weights(const Tensor& q, const Tensor& k, 
 
 // ---- output projection
 
-/// Heads (N, H, L, D) merged into query's layout and through out_proj.
-Tensor project_output(const Tensor& heads, const AttentionWeights& weights, bool batch_first);
+/// Heads (N, H, L, D) merged and through out_proj: (L, N, E_out), or with batch_first its
+/// transposed view (N, L, E_out), torch's layout; (N, L, E_out) contiguous with `contiguous`
+/// (the layout of torch's fused path).
+Tensor project_output(const Tensor& heads, const AttentionWeights& weights, bool batch_first,
+                      bool contiguous = false);
 
 }  // namespace torchmha::core

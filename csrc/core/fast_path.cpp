@@ -54,7 +54,7 @@ bool is_float(const OptionalTensor& t) {
 
 }  // namespace
 
-bool fast_path_applies(const ForwardCall& call, const AttentionWeights& w) {
+bool torch_takes_fast_path(const ForwardCall& call, const AttentionWeights& w) {
   const auto& query = call.query;
   const auto& in_proj = w.in_proj;
   if (!(query.dim() == 3 && call.batch_first && !call.training && query.is_same(call.key) &&
@@ -75,11 +75,6 @@ bool fast_path_applies(const ForwardCall& call, const AttentionWeights& w) {
   if (query.is_nested() || at::autocast::is_autocast_enabled(query.device().type())) {
     return false;
   }
-  // Without weights and masks our SDPA path gives torch's numbers (no fully masked rows can
-  // differ) and is faster than the fused kernel, which does not use flash attention on CPU.
-  if (!call.need_weights && !is_present(call.key_padding_mask) && !is_present(call.attn_mask)) {
-    return false;
-  }
   for (const auto& t : {OptionalTensor(query), in_proj.packed_weight, in_proj.packed_bias,
                         OptionalTensor(w.out_weight), w.out_bias}) {
     if (!on_fast_path_device(t)) {
@@ -89,6 +84,12 @@ bool fast_path_applies(const ForwardCall& call, const AttentionWeights& w) {
   return !(c10::GradMode::is_enabled() &&
            (query.requires_grad() || needs_grad(in_proj.packed_weight) || needs_grad(in_proj.packed_bias) ||
             w.out_weight.requires_grad() || needs_grad(w.out_bias)));
+}
+
+bool sdpa_beats_fast_path(const ForwardCall& call) {
+  // Without weights and masks our SDPA path gives torch's numbers (no fully masked rows can
+  // differ) and is faster than the fused kernel, which does not use flash attention on CPU.
+  return !call.need_weights && !is_present(call.key_padding_mask) && !is_present(call.attn_mask);
 }
 
 std::tuple<Tensor, Tensor> fused_forward(

@@ -28,9 +28,12 @@ class TORCHMHA_API FastPathOverride {
   std::optional<bool> previous_;
 };
 
-/// torch's conditions, less those only Python can see (the fast-path switch, tracing), which the
-/// caller folds into allow_fast_path.
-bool fast_path_applies(const ForwardCall& call, const AttentionWeights& weights);
+/// torch's conditions for its fused path, less those only Python can see (the fast-path switch,
+/// tracing), which the caller folds into allow_fast_path.
+bool torch_takes_fast_path(const ForwardCall& call, const AttentionWeights& weights);
+/// Where torch would take the fused path but SDPA gives the same numbers faster (then the output
+/// keeps the fused kernel's contiguous layout).
+bool sdpa_beats_fast_path(const ForwardCall& call);
 
 /// The fused kernel on masks merged as torch's merge_masks does. Masks are additive already.
 std::tuple<Tensor, Tensor> fused_forward(

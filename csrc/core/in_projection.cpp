@@ -147,9 +147,8 @@ std::vector<Tensor> to_heads(const Tensor& x, int64_t parts, int64_t num_heads, 
   return heads.unbind(0);
 }
 
-Tensor merge_heads(const Tensor& x, bool batch_first) {
-  auto merged = batch_first ? x.permute({0, 2, 1, 3}) : x.permute({2, 0, 1, 3});
-  return merged.flatten(-2);  // a copy, as the heads are not adjacent in x
+Tensor merge_heads(const Tensor& x) {
+  return x.permute({2, 0, 1, 3}).flatten(-2);  // a copy, as the heads are not adjacent in x
 }
 
 }  // namespace torchmha::core

@@ -68,7 +68,7 @@ std::array<Tensor, 3> project_to_heads(
 /// (N, H, len, D), as strided views (no copy).
 std::vector<Tensor> to_heads(const Tensor& x, int64_t parts, int64_t num_heads, bool batch_first);
 
-/// (N, H, L, D) -> (L, N, H * D) or, with batch_first, (N, L, H * D).
-Tensor merge_heads(const Tensor& x, bool batch_first);
+/// (N, H, L, D) -> (L, N, H * D), contiguous.
+Tensor merge_heads(const Tensor& x);
 
 }  // namespace torchmha::core

@@ -48,7 +48,8 @@ std::tuple<Tensor, Tensor> multi_head_attention(
   OptionalTensor padding = additive_mask(call.key_padding_mask, dtype);
 
   // fused fast path
-  if (allow_fast_path && fast_path_applies(call, weights)) {
+  const bool torch_fuses = allow_fast_path && torch_takes_fast_path(call, weights);
+  if (torch_fuses && !sdpa_beats_fast_path(call)) {
     check_mask_shapes(call, weights, g, /*attn_mask_is_read=*/true);
     return fused_forward(call, weights, g, embed_dim, attn_mask, padding);
   }
@@ -88,7 +89,7 @@ std::tuple<Tensor, Tensor> multi_head_attention(
   }
 
   // output projection
-  auto output = project_output(heads, weights, batch_first);
+  auto output = project_output(heads, weights, batch_first, /*contiguous=*/torch_fuses);
   if (!g.batched) {
     output = output.squeeze(batch_dim(batch_first));
   }

@@ -19,8 +19,8 @@ class MultiheadAttention(nn.MultiheadAttention):
     holds where torch's own Transformer layers check it. Only forward is replaced, and the
     decoding methods forward_with_cache and project_key_value are added.
 
-    Differences from torch: the batch_first output is always contiguous; with need_weights=False
-    nothing of size L x S is built for key_padding_mask (it stays (N, 1, 1, S)).
+    Differences from torch: with need_weights=False nothing of size L x S is built for
+    key_padding_mask (it stays (N, 1, 1, S)).
     """
 
     def forward(

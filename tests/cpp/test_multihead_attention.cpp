@@ -80,7 +80,8 @@ TEST(MultiheadAttention, BatchFirstUnbatchedAndCausal) {
   auto xb = x.transpose(0, 1).contiguous();
   auto [yb, wb] = batch_first->forward(xb, xb, xb, {}, false, causal, true, /*is_causal=*/true);
   expect_close(yb.transpose(0, 1), expected);
-  EXPECT_TRUE(yb.is_contiguous());
+  // torch's layout: batch_first output is the transposed view of an (L, N, E) tensor.
+  EXPECT_TRUE(yb.transpose(0, 1).is_contiguous());
   // Unbatched (L, E) equals batch of one.
   auto x0 = x.select(1, 0);
   auto [y0, w0] = seq_first->forward(x0, x0, x0, {}, true, causal);

@@ -296,11 +296,26 @@ def test_weights_shapes():
     assert ours(x[:, 0], x[:, 0], x[:, 0], average_attn_weights=False)[1].shape == (2, 5, 5)
 
 
-def test_batch_first_output_is_contiguous():
-    _, ours = mha_pair(8, 2, batch_first=True)
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_output_layout_is_torchs_so_a_later_dropout_draws_the_same_mask(batch_first, masked, need_weights):
+    # torch's slow path returns batch_first output as a transposed view, its fused path a
+    # contiguous tensor; nn.Dropout draws in memory order, so a different layout would drop
+    # different elements under the same seed.
+    ref, ours = mha_pair(8, 2, batch_first=batch_first)
     x = torch.randn(3, 5, 8, dtype=torch.float64)
+    kwargs = {"need_weights": need_weights}
+    if masked:
+        kwargs["key_padding_mask"] = torch.rand(3 if batch_first else 5, 5 if batch_first else 3) > 0.7
     for mode in ("train", "eval", "inference"):
-        assert run(ours, (x, x, x), {}, mode)[0].is_contiguous()
+        expected, got = run(ref, (x, x, x), kwargs, mode)[0], run(ours, (x, x, x), kwargs, mode)[0]
+        assert got.stride() == expected.stride(), (mode, got.stride(), expected.stride())
+        torch.manual_seed(3)
+        dropped_ref = torch.nn.functional.dropout(expected, 0.5)
+        torch.manual_seed(3)
+        dropped = torch.nn.functional.dropout(got, 0.5)
+        assert torch.equal(dropped == 0, dropped_ref == 0), mode
 
 
 def test_mismatched_mask_dtypes_warn_like_torch():
