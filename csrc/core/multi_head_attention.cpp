@@ -8,6 +8,8 @@
 #include "fast_path.h"
 #include "in_projection.h"
 
+#include <ATen/autocast_mode.h>
+
 namespace torchmha::core {
 namespace {
 
@@ -23,6 +25,15 @@ OptionalTensor attn_mask_4d(const OptionalTensor& mask, const Geometry& g, int64
   }
   return mask->dim() == 2 ? mask->view({1, 1, g.tgt_len, g.src_len})
                           : mask->view({g.batch, num_heads, g.tgt_len, g.src_len});
+}
+
+// Under autocast the projections come out in the autocast dtype while the masks stay as given;
+// autocast casts them for baddbmm and SDPA inside torch's module, so the same here.
+OptionalTensor autocast_mask(const OptionalTensor& mask, at::ScalarType dtype) {
+  if (!is_present(mask) || !at::autocast::is_autocast_enabled(mask->device().type())) {
+    return mask;
+  }
+  return mask->to(dtype);
 }
 
 // Weights as returned: averaged over heads unless asked otherwise, without N when unbatched.
@@ -76,6 +87,7 @@ std::tuple<Tensor, Tensor> multi_head_attention(
   OptionalTensor mask = add_masks(
       kv.attn_mask, is_present(kv.padding_mask) ? OptionalTensor(kv.padding_mask->view({g.batch, 1, 1, total_src_len}))
                                                 : std::nullopt);
+  mask = autocast_mask(mask, q.scalar_type());
   check_mask_dtype(mask, q.scalar_type());
 
   // attend

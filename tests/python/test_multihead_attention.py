@@ -532,3 +532,42 @@ def test_concurrent_forward_backward_on_copies():
     for grads in results:
         for a, b in zip(grads, expected):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("masks", ["bool attn_mask", "float attn_mask", "3-D attn_mask", "bool key_padding_mask",
+                                   "float key_padding_mask", "both"])
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_cpu_autocast_with_masks_gives_torchs_dtype_within_its_error(masks, need_weights, mode):
+    # Under autocast the projections are bfloat16 while masks stay as given; torch's ops cast them.
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    ours = torchmha.MultiheadAttention(16, 2, batch_first=True)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 5, 16)
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    padding = torch.zeros(3, 5, dtype=torch.bool)
+    padding[0, -2:] = True
+    kwargs = {
+        "bool attn_mask": {"attn_mask": causal},
+        "float attn_mask": {"attn_mask": torch.zeros(5, 5).masked_fill(causal, float("-inf"))},
+        "3-D attn_mask": {"attn_mask": causal.expand(6, 5, 5)},
+        "bool key_padding_mask": {"key_padding_mask": padding},
+        "float key_padding_mask": {"key_padding_mask": torch.zeros(3, 5).masked_fill(padding, float("-inf"))},
+        "both": {"attn_mask": causal, "key_padding_mask": padding},
+    }[masks]
+    outputs = {}
+    for name, module in (("torch", ref), ("ours", ours)):
+        module.train(mode == "train")
+        full = module(x, x, x, need_weights=need_weights, **kwargs)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = module(x, x, x, need_weights=need_weights, **kwargs)
+        outputs[name] = (full, low)
+    (full, expected), (_, got) = outputs["torch"], outputs["ours"]
+    for index in range(2 if need_weights else 1):
+        assert got[index].dtype == expected[index].dtype, (index, got[index].dtype, expected[index].dtype)
+        torch_error = (expected[index].float() - full[index]).abs().max().item()
+        our_error = (got[index].float() - full[index]).abs().max().item()
+        assert our_error <= 2 * torch_error + 1e-3, (index, our_error, torch_error)
+    if not need_weights:
+        assert got[1] is None and expected[1] is None
