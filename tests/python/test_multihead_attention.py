@@ -571,3 +571,53 @@ def test_cpu_autocast_with_masks_gives_torchs_dtype_within_its_error(masks, need
         assert our_error <= 2 * torch_error + 1e-3, (index, our_error, torch_error)
     if not need_weights:
         assert got[1] is None and expected[1] is None
+
+
+TORCHSCRIPT_CONFIGS = [{}, {"kdim": 5, "vdim": 3}, {"bias": False}, {"add_bias_kv": True}, {"add_zero_attn": True},
+                       {"batch_first": True}, {"dropout": 0.1}]
+
+
+@pytest.mark.parametrize("config", TORCHSCRIPT_CONFIGS)
+def test_torchscript_script_trace_save_load_like_torch(config, tmp_path):
+    ref, ours = mha_pair(8, 2, **config)
+    ref.eval(), ours.eval()
+
+    def shape(length, features):
+        return (2, length, features) if config.get("batch_first") else (length, 2, features)
+
+    q = torch.randn(shape(3, 8), dtype=torch.float64)
+    k = torch.randn(shape(4, config.get("kdim", 8)), dtype=torch.float64)
+    v = torch.randn(shape(4, config.get("vdim", 8)), dtype=torch.float64)
+    mask = torch.rand(3, 4) > 0.8
+    expected = ref(q, k, v, attn_mask=mask)
+    scripted = torch.jit.script(ours)
+    assert "torchmha::multi_head_attention_forward" in str(scripted.graph)
+    torch.jit.save(scripted, tmp_path / "mha.pt")
+    for module in (scripted, torch.jit.load(tmp_path / "mha.pt")):
+        got = module(q, k, v, None, True, mask)
+        assert_close(got[0], expected[0])
+        assert_close(got[1], expected[1])
+    traced = torch.jit.trace(ours, (q, k, v))  # tracing takes tensors only: no mask
+    for got, want in zip(traced(q, k, v), ref(q, k, v)):
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize("kind", ["Transformer", "TransformerEncoder", "TransformerDecoder"])
+def test_torchscript_of_torch_transformers_after_replace(kind):
+    torch.manual_seed(0)
+    d, heads = 16, 2
+    layer_args = dict(d_model=d, nhead=heads, dim_feedforward=32, dropout=0.0, dtype=torch.float64)
+    model = {
+        "Transformer": lambda: torch.nn.Transformer(num_encoder_layers=2, num_decoder_layers=2, **layer_args),
+        "TransformerEncoder": lambda: torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(**layer_args), 2,
+                                                                  enable_nested_tensor=False),
+        "TransformerDecoder": lambda: torch.nn.TransformerDecoder(torch.nn.TransformerDecoderLayer(**layer_args), 2),
+    }[kind]().eval()
+    src, tgt = torch.randn(5, 2, d, dtype=torch.float64), torch.randn(4, 2, d, dtype=torch.float64)
+    inputs = {"Transformer": (src, tgt), "TransformerEncoder": (src,), "TransformerDecoder": (tgt, src)}[kind]
+    expected = model(*inputs)
+    assert torchmha.replace_multihead_attention(model) > 0
+    scripted = torch.jit.script(model)
+    assert_close(scripted(*inputs), expected)
+    attention = next(m for name, m in scripted.named_modules() if name.endswith("self_attn"))
+    assert "torchmha::multi_head_attention_forward" in attention.code or "torchmha.multi_head_attention_forward" in attention.code
