@@ -114,12 +114,15 @@ std::tuple<Tensor, Tensor> multi_head_attention_forward(
     bool allow_fast_path,
     const OptionalTensor& q_proj_bias,
     const OptionalTensor& k_proj_bias,
-    const OptionalTensor& v_proj_bias) {
+    const OptionalTensor& v_proj_bias,
+    const OptionalTensor& static_k,
+    const OptionalTensor& static_v) {
   const auto weights = attention_weights(
       num_heads, in_proj_weight, in_proj_bias, {q_proj_weight, k_proj_weight, v_proj_weight},
       {q_proj_bias, k_proj_bias, v_proj_bias}, bias_k, bias_v, add_zero_attn, out_proj_weight, out_proj_bias);
-  core::ForwardCall call{query, key, value, key_padding_mask, attn_mask, need_weights, average_attn_weights,
-                         is_causal, training, batch_first, dropout_p};
+  core::ForwardCall call{query,    key,       value,       key_padding_mask, attn_mask,  static_k,
+                         static_v, need_weights, average_attn_weights, is_causal, training, batch_first,
+                         dropout_p};
   return core::multi_head_attention(call, weights, embed_dim, allow_fast_path);
 }
 
@@ -236,8 +239,8 @@ Tensor transformer_block(
       out_proj_bias);
   const core::FeedForwardWeights ff{linear1_weight, linear1_bias, linear2_weight, linear2_bias, norm1_weight,
                                     norm1_bias,     norm2_weight, norm2_bias,     layer_norm_eps, dropout};
-  core::ForwardCall call{x,     x,     x,    key_padding_mask, attn_mask, /*need_weights=*/false, true,
-                         false, training, /*batch_first=*/true, attention_dropout};
+  core::ForwardCall call{x,     x,     x,    key_padding_mask, attn_mask, std::nullopt, std::nullopt,
+                         /*need_weights=*/false, true, false, training, /*batch_first=*/true, attention_dropout};
   return core::transformer_block(call, attention, ff, norm_first, allow_fast_path);
 }
 

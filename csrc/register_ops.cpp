@@ -27,7 +27,8 @@ TORCH_LIBRARY(torchmha, m) {
       "Tensor? attn_mask=None, Tensor? q_proj_weight=None, Tensor? k_proj_weight=None, "
       "Tensor? v_proj_weight=None, bool average_attn_weights=True, bool is_causal=False, "
       "bool batch_first=False, bool allow_fast_path=False, Tensor? q_proj_bias=None, "
-      "Tensor? k_proj_bias=None, Tensor? v_proj_bias=None) -> (Tensor, Tensor)",
+      "Tensor? k_proj_bias=None, Tensor? v_proj_bias=None, Tensor? static_k=None, Tensor? static_v=None) "
+      "-> (Tensor, Tensor)",
       TORCH_FN(torchmha::multi_head_attention_forward));
   // Decoding. attention_with_cache writes the step's keys and values into the caches in place,
   // which the schema declares (a!)/(b!).

@@ -25,6 +25,7 @@ struct AttentionWeights {
 struct ForwardCall {
   Tensor query, key, value;
   OptionalTensor key_padding_mask, attn_mask;
+  OptionalTensor static_k, static_v;  // (N*H, S, D): keys/values used instead of the projected ones
   bool need_weights = true;
   bool average_attn_weights = true;
   bool is_causal = false;

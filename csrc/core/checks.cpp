@@ -50,6 +50,23 @@ bool check_ranks(const ForwardCall& call, int64_t num_heads) {
   return batched;
 }
 
+// static_k / static_v (N*H, S, D), torch's checks and messages.
+void check_static_keys(const OptionalTensor& keys, const char* name, const char* what, const AttentionWeights& w,
+                       const Geometry& g) {
+  if (!is_present(keys)) {
+    return;
+  }
+  TORCHMHA_CHECK_ARG(!is_present(w.bias_k), "bias cannot be added to static ", what, ".");
+  TORCHMHA_CHECK_ARG(
+      keys->dim() == 3, "expecting a 3-D ", name, " (batch * num_heads, source length, head_dim), but got ", name,
+      " of shape ", keys->sizes());
+  TORCHMHA_CHECK_ARG(
+      keys->size(0) == g.batch * w.num_heads, "expecting ", name, ".size(0) of ", g.batch * w.num_heads, ", but got ",
+      keys->size(0));
+  TORCHMHA_CHECK_ARG(
+      keys->size(2) == g.head_dim, "expecting ", name, ".size(2) of ", g.head_dim, ", but got ", keys->size(2));
+}
+
 }  // namespace
 
 void check_positive_sizes(int64_t embed_dim, int64_t num_heads) {
@@ -157,8 +174,12 @@ void check_mask_shapes(
   TORCHMHA_CHECK_ARG(
       is_present(weights.bias_k) == is_present(weights.bias_v), "bias_k and bias_v must be given together, but only ",
       is_present(weights.bias_k) ? "bias_k" : "bias_v", " was");
+  check_static_keys(call.static_k, "static_k", "key", weights, g);
+  check_static_keys(call.static_v, "static_v", "value", weights, g);
   if (is_present(call.key_padding_mask)) {
-    check_padding_mask_shape(*call.key_padding_mask, g.batch, g.src_len, g.batched);
+    // With static keys, the padding mask covers them, as in torch.
+    const int64_t src_len = is_present(call.static_k) ? call.static_k->size(1) : g.src_len;
+    check_padding_mask_shape(*call.key_padding_mask, g.batch, src_len, g.batched);
   }
 }
 

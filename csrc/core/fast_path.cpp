@@ -61,7 +61,8 @@ bool torch_takes_fast_path(const ForwardCall& call, const AttentionWeights& w) {
         call.key.is_same(call.value))) {
     return false;
   }
-  if (!in_proj.packed() || !is_present(in_proj.packed_bias) || w.has_extra_key_positions() || w.num_heads % 2 != 0) {
+  if (!in_proj.packed() || !is_present(in_proj.packed_bias) || w.has_extra_key_positions() || w.num_heads % 2 != 0 ||
+      is_present(call.static_k) || is_present(call.static_v)) {
     return false;
   }
   if (query.scalar_type() != in_proj.packed_weight->scalar_type() ||

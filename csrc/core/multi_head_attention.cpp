@@ -79,9 +79,17 @@ std::tuple<Tensor, Tensor> multi_head_attention(
   const bool causal = call.is_causal && !is_present(padding) && !call.need_weights;
   check_mask_shapes(call, weights, g, /*attn_mask_is_read=*/!causal);
 
+  // static keys and values replace the projected ones (functional API)
+  if (is_present(call.static_k)) {
+    k = call.static_k->reshape({g.batch, weights.num_heads, -1, g.head_dim});
+  }
+  if (is_present(call.static_v)) {
+    v = call.static_v->reshape({g.batch, weights.num_heads, -1, g.head_dim});
+  }
+
   // extra key positions
   KeysValues kv{k, v, causal ? std::nullopt : attn_mask_4d(attn_mask, g, weights.num_heads),
-                is_present(padding) ? OptionalTensor(padding->view({g.batch, g.src_len})) : std::nullopt};
+                is_present(padding) ? OptionalTensor(padding->view({g.batch, -1})) : std::nullopt};
   kv = append_extra_key_positions(std::move(kv), weights);
   const int64_t total_src_len = kv.keys.size(2);
   OptionalTensor mask = add_masks(

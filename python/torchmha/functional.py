@@ -72,9 +72,7 @@ def multi_head_attention_forward(
 ):
     """``torch.nn.functional.multi_head_attention_forward`` with the same signature, computed by
     torchmha's C++ core. Layout (L, N, E) or unbatched (L, E). Returns (output, weights or None).
-    static_k / static_v are not supported (NotImplementedError)."""
-    if static_k is not None or static_v is not None:
-        raise NotImplementedError("torchmha.multi_head_attention_forward does not support static_k/static_v")
+    static_k / static_v (N*num_heads, S, head_dim) replace the projected keys / values, as in torch."""
     warn_if_mask_dtypes_differ(key_padding_mask, attn_mask)
     if use_separate_proj_weight:
         in_proj_weight = None
@@ -87,4 +85,5 @@ def multi_head_attention_forward(
         out_proj_bias=out_proj_bias, training=training, key_padding_mask=key_padding_mask,
         need_weights=need_weights, attn_mask=attn_mask, q_proj_weight=q_proj_weight, k_proj_weight=k_proj_weight,
         v_proj_weight=v_proj_weight, average_attn_weights=average_attn_weights, is_causal=is_causal,
+        static_k=static_k, static_v=static_v,
     )

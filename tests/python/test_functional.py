@@ -68,5 +68,49 @@ def test_functional_api_matches_torch():
     got = torchmha.multi_head_attention_forward(*args, **kwargs)
     assert_close(got[0], expected[0])
     assert_close(got[1], expected[1])
-    with pytest.raises(NotImplementedError):
-        torchmha.multi_head_attention_forward(*args, **kwargs, static_k=k)
+
+
+@pytest.mark.parametrize("statics", ["static_k", "static_v", "both"])
+@pytest.mark.parametrize("extras", ["none", "add_zero_attn", "key_padding_mask", "attn_mask"])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_static_keys_and_values_as_torch(statics, extras, need_weights):
+    N, H, D, L, S, S_static = 2, 2, 4, 3, 5, 5
+    E = H * D
+    ref, _ = mha_pair(E, H)
+    f64 = dict(dtype=torch.float64)
+    q, kv = torch.randn(L, N, E, **f64), torch.randn(S, N, E, **f64)
+    static = {"static_k": torch.randn(N * H, S_static, D, **f64), "static_v": torch.randn(N * H, S_static, D, **f64)}
+    if statics != "both":
+        static = {statics: static[statics]}
+    kwargs = dict(training=False, need_weights=need_weights, **static)
+    add_zero_attn = extras == "add_zero_attn"
+    if extras == "key_padding_mask":
+        kwargs["key_padding_mask"] = torch.rand(N, S_static) > 0.7
+    if extras == "attn_mask":
+        kwargs["attn_mask"] = torch.rand(L, S) > 0.7
+    args = (q, kv, kv, E, H, ref.in_proj_weight, ref.in_proj_bias, None, None, add_zero_attn, 0.0,
+            ref.out_proj.weight, ref.out_proj.bias)
+    expected = torch.nn.functional.multi_head_attention_forward(*args, **kwargs)
+    got = torchmha.multi_head_attention_forward(*args, **kwargs)
+    assert_close(got[0], expected[0])
+    if need_weights:
+        assert_close(got[1], expected[1])
+
+
+@pytest.mark.parametrize("fault", ["static_k batch", "static_k head_dim", "static_v batch", "static_v head_dim",
+                                   "static_k with bias_k", "static_v with bias_v"])
+def test_static_keys_and_values_bad_input_as_torch(fault):
+    N, H, D, L, S = 2, 2, 4, 3, 5
+    E = H * D
+    ref, _ = mha_pair(E, H, add_bias_kv=fault.endswith("bias_k") or fault.endswith("bias_v"))
+    q = torch.randn(L, N, E, dtype=torch.float64)
+    name = fault.split()[0]
+    shape = {"batch": (N * H + 1, S, D), "head_dim": (N * H, S, D + 1)}.get(fault.split()[1], (N * H, S, D))
+    kwargs = {name: torch.randn(shape, dtype=torch.float64), "training": False}
+    args = (q, q, q, E, H, ref.in_proj_weight, ref.in_proj_bias, ref.bias_k, ref.bias_v, False, 0.0,
+            ref.out_proj.weight, ref.out_proj.bias)
+    with pytest.raises(AssertionError) as expected:
+        torch.nn.functional.multi_head_attention_forward(*args, **kwargs)
+    with pytest.raises(AssertionError) as got:
+        torchmha.multi_head_attention_forward(*args, **kwargs)
+    assert str(got.value) == str(expected.value)

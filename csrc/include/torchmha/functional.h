@@ -59,7 +59,9 @@ TORCHMHA_API std::vector<at::Tensor> in_projection(
 ///  - key_padding_mask (N, S) or (S); attn_mask (L, S) or (N*H, L, S); bool masks: true = not
 ///    allowed to attend; float masks are added to the scores;
 ///  - q_proj_bias, k_proj_bias, v_proj_bias (E): separate biases with separate weights (v1-v3's
-///    Linear layers), instead of in_proj_bias.
+///    Linear layers), instead of in_proj_bias;
+///  - static_k, static_v (N*H, S, D): keys and values used as they are instead of the projected
+///    ones (torch.nn.functional.multi_head_attention_forward's static_k/static_v).
 /// Returns {output (like query, last dim E), weights}: (N, L, S) averaged over heads, (N, H, L, S)
 /// otherwise, without N for unbatched input, undefined when need_weights is false (then the
 /// L x S weights are never built: SDPA computes the output). is_causal is a hint that attn_mask is
@@ -91,7 +93,9 @@ TORCHMHA_API std::tuple<at::Tensor, at::Tensor> multi_head_attention_forward(
     bool allow_fast_path = false,
     const std::optional<at::Tensor>& q_proj_bias = std::nullopt,
     const std::optional<at::Tensor>& k_proj_bias = std::nullopt,
-    const std::optional<at::Tensor>& v_proj_bias = std::nullopt);
+    const std::optional<at::Tensor>& v_proj_bias = std::nullopt,
+    const std::optional<at::Tensor>& static_k = std::nullopt,
+    const std::optional<at::Tensor>& static_v = std::nullopt);
 
 // ------------------------------------------------------------------------------------ decoding
 // The module's parameters as above; num_heads splits its in-projection (width H * D, which may
