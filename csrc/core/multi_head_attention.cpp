@@ -89,7 +89,7 @@ std::tuple<Tensor, Tensor> multi_head_attention(
 
   // extra key positions
   KeysValues kv{k, v, causal ? std::nullopt : attn_mask_4d(attn_mask, g, weights.num_heads),
-                is_present(padding) ? OptionalTensor(padding->view({g.batch, -1})) : std::nullopt};
+                is_present(padding) ? OptionalTensor(padding->view({g.batch, padding->size(-1)})) : std::nullopt};
   kv = append_extra_key_positions(std::move(kv), weights);
   const int64_t total_src_len = kv.keys.size(2);
   OptionalTensor mask = add_masks(
