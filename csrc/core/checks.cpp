@@ -186,9 +186,8 @@ void check_mask_shapes(
 void warn_if_mask_dtypes_differ(const OptionalTensor& key_padding_mask, const OptionalTensor& attn_mask) {
   if (is_present(key_padding_mask) && is_present(attn_mask) &&
       key_padding_mask->scalar_type() != attn_mask->scalar_type()) {
-    TORCH_WARN(
-        "key_padding_mask (", key_padding_mask->scalar_type(), ") and attn_mask (", attn_mask->scalar_type(),
-        ") have different dtypes; mixing them is deprecated in torch.nn.MultiheadAttention: use one dtype for both.");
+    // torch's text, so warning filters written against torch match.
+    TORCH_WARN("Support for mismatched key_padding_mask and attn_mask is deprecated. Use same type for both instead.");
   }
 }
 

@@ -12,9 +12,8 @@ def warn_if_mask_dtypes_differ(key_padding_mask: Optional[Tensor], attn_mask: Op
     """torch.nn.MultiheadAttention's deprecation warning for masks of different dtypes. Raised here,
     in Python, because warnings from inside a torch.ops call reach stderr, not the warnings module."""
     if key_padding_mask is not None and attn_mask is not None and key_padding_mask.dtype != attn_mask.dtype:
-        warnings.warn(
-            f"key_padding_mask ({key_padding_mask.dtype}) and attn_mask ({attn_mask.dtype}) have different "
-            "dtypes; mixing them is deprecated in torch.nn.MultiheadAttention: use one dtype for both.",
+        warnings.warn(  # torch's text, so warning filters written against torch match
+            "Support for mismatched key_padding_mask and attn_mask is deprecated. Use same type for both instead.",
             stacklevel=3,
         )
 

@@ -328,6 +328,11 @@ def test_mismatched_mask_dtypes_warn_like_torch():
             warnings.simplefilter("always")
             module(x, x, x, key_padding_mask=kpm, attn_mask=attn_mask)
         assert any("key_padding_mask" in str(w.message) and "attn_mask" in str(w.message) for w in caught)
+        # A filter written against torch's text catches ours too.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="Support for mismatched key_padding_mask and attn_mask")
+            with pytest.raises(UserWarning):
+                module(x, x, x, key_padding_mask=kpm, attn_mask=attn_mask)
 
 
 def test_is_causal_without_mask_is_rejected_like_torch():
