@@ -82,3 +82,13 @@ def test_installed_package_reports_its_build(python):
     assert flag == "True"
     venv = Path(python).parents[1]
     assert Path(location).is_relative_to(venv / "lib"), f"{location} is not the package installed in {venv}"
+
+
+def test_build_without_torch_stops_at_once_and_says_why(tmp_path):
+    # A bare environment, as pip's build isolation makes one: no torch in it.
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "bare")], check=True)
+    bare = tmp_path / "bare" / "bin" / "python"
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([str(bare), str(root / "setup.py"), "--version"], capture_output=True, text=True, cwd=root)
+    assert result.returncode != 0
+    assert "Install torch first" in result.stderr and "--no-build-isolation" in result.stderr, result.stderr
