@@ -44,10 +44,12 @@ void check_cache(const Tensor& query, const Tensor& k_cache, const Tensor& v_cac
   check_self_attention_weights(w, embed_dim);
   check_in_projection(w.in_proj, w.in_proj.inner(), embed_dim, embed_dim, embed_dim);
   // Else copy_ would convert the new keys into the cache and SDPA fail only after that write.
-  TORCH_CHECK(
-      k_cache.scalar_type() == query.scalar_type() && k_cache.device() == query.device(),
-      "attention_with_cache: the cache must have query's dtype and device (", query.scalar_type(), ", ",
-      query.device(), "), but got ", k_cache.scalar_type(), ", ", k_cache.device());
+  for (const Tensor* cache : {&k_cache, &v_cache}) {
+    TORCH_CHECK(
+        cache->scalar_type() == query.scalar_type() && cache->device() == query.device(),
+        "attention_with_cache: the cache must have query's dtype and device (", query.scalar_type(), ", ",
+        query.device(), "), but got ", cache->scalar_type(), ", ", cache->device());
+  }
   check_dropout(call.dropout_p);
   // cache_length grows every step; under torch.compile it is symbolic, and everything that
   // depends on it stays symbolic (sym checks, narrow_symint, arange) so that one graph serves
@@ -69,6 +71,7 @@ OptionalTensor checked_padding(const OptionalTensor& kpm, const Tensor& query, c
     return std::nullopt;
   }
   const int64_t batch = query.size(batch_dim(batch_first));
+  check_mask_kind(kpm, "key_padding_mask");
   check_padding_mask_shape(*kpm, batch, src_len, /*batched=*/true);
   auto padding = padding_bias(kpm, batch, src_len, query.scalar_type());
   check_mask_dtype(padding, query.scalar_type());
@@ -96,7 +99,7 @@ Tensor attention_with_cache(const Tensor& query, const Tensor& k_cache, const Te
   v_cache.narrow_symint(2, cache_length, new_len).copy_(v);
   // attend, output projection
   auto heads = attend(q, k_cache.narrow_symint(2, 0, src_len), v_cache.narrow_symint(2, 0, src_len), mask,
-                      call.training ? call.dropout_p : 0.0);
+                      call.effective_dropout());
   return project_output(heads, w, call.batch_first);
 }
 
@@ -127,7 +130,7 @@ Tensor attention_with_static_key_value(const Tensor& query, const Tensor& keys, 
   auto mask = checked_padding(call.key_padding_mask, query, keys.size(2), call.batch_first);
   auto heads = project_to_heads(query, Tensor(), Tensor(), w.in_proj, Sharing::kSeparate, w.num_heads,
                                 call.batch_first);
-  return project_output(attend(heads[0], keys, values, mask, call.training ? call.dropout_p : 0.0), w,
+  return project_output(attend(heads[0], keys, values, mask, call.effective_dropout()), w,
                         call.batch_first);
 }
 

@@ -17,6 +17,8 @@ struct DecodingCall {
   double dropout_p = 0.0;
   bool training = false;
   bool batch_first = false;
+
+  double effective_dropout() const { return training ? dropout_p : 0.0; }
 };
 
 /// One step of causal self-attention: the new positions' keys and values are written into the

@@ -11,6 +11,8 @@ const char* layout_name(bool batched) {
   return batched ? "batched (3-D)" : "unbatched (2-D)";
 }
 
+}  // namespace
+
 void check_mask_kind(const OptionalTensor& mask, const char* name) {
   if (!is_present(mask)) {
     return;
@@ -19,6 +21,8 @@ void check_mask_kind(const OptionalTensor& mask, const char* name) {
       mask->scalar_type() == at::kBool || at::isFloatingType(mask->scalar_type()), "only bool and floating-point ",
       name, " are supported, but got ", name, " of dtype ", mask->scalar_type(), " and shape ", mask->sizes());
 }
+
+namespace {
 
 // Ranks: batched (3-D) or unbatched (2-D), with matching keys, values and masks.
 bool check_ranks(const ForwardCall& call, int64_t num_heads) {

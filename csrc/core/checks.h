@@ -19,6 +19,9 @@ void check_divisible(int64_t embed_dim, int64_t num_heads);
 TORCHMHA_API void check_module_sizes(int64_t embed_dim, int64_t num_heads, int64_t kdim = -1, int64_t vdim = -1);
 void check_dropout(double p);
 
+/// Masks are bool (true = not allowed) or floating point (added to the scores).
+void check_mask_kind(const OptionalTensor& mask, const char* name);
+
 /// Sizes of a forward call, once its inputs are checked.
 struct Geometry {
   bool batched;

@@ -81,10 +81,10 @@ std::tuple<Tensor, Tensor> multi_head_attention(
 
   // static keys and values replace the projected ones (functional API)
   if (is_present(call.static_k)) {
-    k = call.static_k->reshape({g.batch, weights.num_heads, -1, g.head_dim});
+    k = call.static_k->reshape({g.batch, weights.num_heads, call.static_k->size(1), g.head_dim});
   }
   if (is_present(call.static_v)) {
-    v = call.static_v->reshape({g.batch, weights.num_heads, -1, g.head_dim});
+    v = call.static_v->reshape({g.batch, weights.num_heads, call.static_v->size(1), g.head_dim});
   }
 
   // extra key positions

@@ -114,3 +114,16 @@ def test_static_keys_and_values_bad_input_as_torch(fault):
     with pytest.raises(AssertionError) as got:
         torchmha.multi_head_attention_forward(*args, **kwargs)
     assert str(got.value) == str(expected.value)
+
+
+def test_static_keys_of_an_empty_batch_as_torch():
+    H, D, E = 2, 4, 8
+    ref, _ = mha_pair(E, H)
+    q, kv = torch.randn(3, 0, E, dtype=torch.float64), torch.randn(5, 0, E, dtype=torch.float64)
+    static = torch.randn(0, 5, D, dtype=torch.float64)
+    args = (q, kv, kv, E, H, ref.in_proj_weight, ref.in_proj_bias, None, None, False, 0.0,
+            ref.out_proj.weight, ref.out_proj.bias)
+    kwargs = dict(training=False, need_weights=False, static_k=static, static_v=static)
+    expected = torch.nn.functional.multi_head_attention_forward(*args, **kwargs)[0]
+    got = torchmha.multi_head_attention_forward(*args, **kwargs)[0]
+    assert got.shape == expected.shape == (3, 0, E)

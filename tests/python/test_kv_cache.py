@@ -190,3 +190,17 @@ def test_compiled_decoding_step_compiles_once_for_every_cache_length():
     assert cache.length == L
     assert frames[-1] == frames[2], f"recompiled as the cache grew: frames after each step {frames}"
     assert frames[-1] <= 3, frames
+
+
+def test_cache_step_checks_both_caches_and_the_mask_kind_before_writing():
+    _, ours = mha_pair(E, H)
+    cache = torchmha.KeyValueCache.for_module(ours, N, 4)
+    with torch.no_grad():
+        cache.values = cache.values.float()  # keys float64, values float32
+        with pytest.raises(RuntimeError, match=r"cache must have query's dtype and device \(Double, cpu\), but got Float"):
+            ours.forward_with_cache(torch.randn(1, N, E, dtype=torch.float64), cache)
+        assert cache.length == 0 and not cache.keys.any(), "a rejected step must not write into the cache"
+        cache.values = cache.values.double()
+        with pytest.raises(AssertionError, match="only bool and floating-point key_padding_mask"):
+            ours.forward_with_cache(torch.randn(1, N, E, dtype=torch.float64), cache, torch.zeros(N, 1, dtype=torch.int64))
+        assert cache.length == 0 and not cache.keys.any()
