@@ -112,7 +112,9 @@ void check_key_value_shapes(const Tensor& key, const Tensor& value, bool separat
 Geometry validate_forward(const ForwardCall& call, const AttentionWeights& weights, int64_t embed_dim) {
   const int64_t num_heads = weights.num_heads;
   check_positive_sizes(embed_dim, num_heads);
-  check_dropout(call.dropout_p);
+  if (call.training) {  // torch never reads the probability in eval, so never rejects it there
+    check_dropout(call.dropout_p);
+  }
   check_mask_kind(call.key_padding_mask, "key_padding_mask");
   check_mask_kind(call.attn_mask, "attn_mask");
   const bool batched = check_ranks(call, num_heads);

@@ -626,3 +626,14 @@ def test_torchscript_of_torch_transformers_after_replace(kind):
     assert_close(scripted(*inputs), expected)
     attention = next(m for name, m in scripted.named_modules() if name.endswith("self_attn"))
     assert "torchmha::multi_head_attention_forward" in attention.code or "torchmha.multi_head_attention_forward" in attention.code
+
+
+def test_dropout_probability_is_checked_in_training_only_as_torch():
+    ref, ours = mha_pair(8, 2, dropout=1.5)
+    x = torch.randn(3, 2, 8, dtype=torch.float64)
+    ref.eval(), ours.eval()
+    assert_close(ours(x, x, x)[0], ref(x, x, x)[0])
+    ref.train(), ours.train()
+    for module in (ref, ours):
+        with pytest.raises(ValueError, match="dropout probability has to be between 0 and 1, but got 1.5"):
+            module(x, x, x)
