@@ -109,7 +109,7 @@ std::tuple<Tensor, Tensor> project_key_value(const Tensor& key, const Tensor& va
   checked_head_dim(w);
   check_batched(key, "key", "project_key_value");
   check_batched(value, "value", "project_key_value");
-  check_key_value_shapes(key, value, /*separate_weights=*/true);
+  check_key_value_shapes(key, value, /*separate_weights=*/true, batch_first);
   check_in_projection(w.in_proj, w.in_proj.inner(), -1, key.size(-1), value.size(-1));
   auto heads = project_to_heads(Tensor(), key, value, w.in_proj, sharing_of(Tensor(), key, value), w.num_heads,
                                 batch_first);

@@ -29,7 +29,8 @@ struct Geometry {
 };
 
 /// Everything about a forward call that can be checked before the in-projection, in torch's
-/// order, so a call with several faults raises what torch raises.
+/// order, so a call with several faults raises what torch raises (the masks' kinds are checked
+/// before, as torch's module forward does before its fast path).
 Geometry validate_forward(const ForwardCall& call, const AttentionWeights& weights, int64_t embed_dim);
 
 /// Mask shapes and the bias_k/bias_v pair, checked after the in-projection as torch does. The
@@ -44,15 +45,21 @@ void check_mask_shapes(
 /// classes raise it through the warnings module, which a warning from inside an op does not reach).
 void warn_if_mask_dtypes_differ(const OptionalTensor& key_padding_mask, const OptionalTensor& attn_mask);
 
-/// key_padding_mask (N, S), or (S) for unbatched input.
-void check_padding_mask_shape(const Tensor& mask, int64_t batch, const c10::SymInt& src_len, bool batched);
+/// key_padding_mask (N, S), or (S) for unbatched input, its rank already checked; torch names the
+/// lengths with the `extra_positions` (bias_k, add_zero_attn) appended.
+void check_padding_mask_shape(
+    const Tensor& mask,
+    int64_t batch,
+    const c10::SymInt& src_len,
+    bool batched,
+    int64_t extra_positions = 0);
 
 /// A float mask (the masks combined, bool ones made float) must have the query's dtype, as
 /// baddbmm and SDPA require: it is added in that dtype, never promoted.
 void check_mask_dtype(const OptionalTensor& mask, at::ScalarType query_dtype);
 
 /// key and value: sequence and batch sizes agree (separate weights), or equal shapes (packed).
-void check_key_value_shapes(const Tensor& key, const Tensor& value, bool separate_weights);
+void check_key_value_shapes(const Tensor& key, const Tensor& value, bool separate_weights, bool batch_first);
 
 // ---- decoding
 

@@ -7,8 +7,10 @@
 // they call the core (optional_if_defined).
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/StringUtil.h>
 
 #include <optional>
+#include <string>
 
 namespace torchmha::core {
 
@@ -29,6 +31,13 @@ inline int64_t batch_dim(bool batch_first) {
 }
 inline int64_t sequence_dim(bool batch_first) {
   return batch_first ? 1 : 0;
+}
+
+// Python's spelling of a shape (torch.Size([2, 3])): where a check is torch's, its message is
+// torch's, word for word, so a regex or warning filter written against torch matches it.
+template <typename Sizes>
+std::string torch_size(const Sizes& sizes) {
+  return c10::str("torch.Size(", sizes, ")");
 }
 
 }  // namespace torchmha::core

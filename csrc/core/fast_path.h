@@ -10,7 +10,7 @@
 #include <torchmha/functional.h>
 
 #include <optional>
-
+#include <string>
 #include <tuple>
 
 namespace torchmha::core {
@@ -28,20 +28,18 @@ class TORCHMHA_API FastPathOverride {
   std::optional<bool> previous_;
 };
 
-/// torch's conditions for its fused path, less those only Python can see (the fast-path switch,
-/// tracing), which the caller folds into allow_fast_path.
-bool torch_takes_fast_path(const ForwardCall& call, const AttentionWeights& weights);
+/// Why torch's module forward would not take its fused path, in torch's words and order (empty:
+/// it would). `allowed` folds in what only Python sees: the fast-path switch and tracing.
+std::string why_not_fast_path(const ForwardCall& call, const AttentionWeights& weights, bool allowed);
 /// Where torch would take the fused path but SDPA gives the same numbers faster (then the output
 /// keeps the fused kernel's contiguous layout).
 bool sdpa_beats_fast_path(const ForwardCall& call);
+/// The one fault the fused kernel would report for such a call (query, key and value are one
+/// batched tensor of the module's dtype, no masks), with the kernel's message.
+void check_fused_embedding(const ForwardCall& call, int64_t embed_dim);
 
-/// The fused kernel on masks merged as torch's merge_masks does. Masks are additive already.
-std::tuple<Tensor, Tensor> fused_forward(
-    const ForwardCall& call,
-    const AttentionWeights& weights,
-    const Geometry& g,
-    int64_t embed_dim,
-    const OptionalTensor& attn_mask,
-    const OptionalTensor& padding_mask);
+/// The fused kernel on the masks merged as torch's merge_masks does; torch's checks are the
+/// kernel's own.
+std::tuple<Tensor, Tensor> fused_forward(const ForwardCall& call, const AttentionWeights& weights, int64_t embed_dim);
 
 }  // namespace torchmha::core

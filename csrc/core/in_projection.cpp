@@ -9,8 +9,8 @@
 namespace torchmha::core {
 namespace {
 
-const char* const kWeightNames[3] = {"query weight (w_q)", "key weight (w_k)", "value weight (w_v)"};
-const char* const kBiasNames[3] = {"query bias (b_q)", "key bias (b_k)", "value bias (b_v)"};
+const char* const kWeightNames[3] = {"q_proj_weight", "k_proj_weight", "v_proj_weight"};
+const char* const kPartNames[3] = {"query", "key", "value"};
 
 // Rows [first * inner, (first + parts) * inner) of the packed weight or bias.
 OptionalTensor packed_rows(const OptionalTensor& packed, int first, int parts, int64_t inner) {
@@ -83,21 +83,24 @@ void check_in_projection(
     }
     return;
   }
+  // torch's _in_projection: the three weights, then the three biases (thirds of a packed bias).
   const int64_t features[3] = {q_features, k_features, v_features};
   for (int part = 0; part < 3; ++part) {
     if (features[part] < 0) {
       continue;
     }
-    TORCHMHA_CHECK_ARG(is_present(w.weights[part]), "the ", kWeightNames[part], " is missing");
+    TORCHMHA_CHECK_ARG(is_present(w.weights[part]), "use_separate_proj_weight is True but ", kWeightNames[part],
+                       " is None");
     const auto& weight = *w.weights[part];
     TORCHMHA_CHECK_ARG(
-        weight.dim() == 2 && weight.size(0) == inner && weight.size(1) == features[part], "expected ",
-        kWeightNames[part], " of shape (", inner, ", ", features[part], "), but got ", weight.sizes());
-    // torch's _in_projection checks each third of a packed bias like a separate one.
+        weight.dim() == 2 && weight.size(0) == inner && weight.size(1) == features[part], "expecting ",
+        kPartNames[part], " weights shape of (", inner, ", ", features[part], "), but got ", torch_size(weight.sizes()));
+  }
+  for (int part = 0; part < 3; ++part) {
     const auto bias = is_present(w.packed_bias) ? OptionalTensor(w.packed_bias->chunk(3)[part]) : w.biases[part];
     TORCHMHA_CHECK_ARG(
-        !is_present(bias) || (bias->dim() == 1 && bias->size(0) == inner), "expected ", kBiasNames[part],
-        " of shape (", inner, ",), but got ", bias->sizes());
+        features[part] < 0 || !is_present(bias) || (bias->dim() == 1 && bias->size(0) == inner), "expecting ",
+        kPartNames[part], " bias shape of (", inner, ",), but got ", torch_size(bias->sizes()));
   }
 }
 

@@ -8,6 +8,8 @@
 #include "fast_path.h"
 #include "in_projection.h"
 
+#include <torchmha/errors.h>
+
 #include <ATen/autocast_mode.h>
 
 namespace torchmha::core {
@@ -51,19 +53,31 @@ std::tuple<Tensor, Tensor> multi_head_attention(
     const AttentionWeights& weights,
     int64_t embed_dim,
     bool allow_fast_path) {
+  // torch's module forward: the masks' kinds (its _canonical_mask), its fused path, then the
+  // functional forward's checks.
+  check_mask_kind(call.key_padding_mask, "key_padding_mask");
+  check_mask_kind(call.attn_mask, "attn_mask");
+
+  // fused fast path
+  const std::string why_not_fused = why_not_fast_path(call, weights, allow_fast_path);
+  const bool torch_fuses = why_not_fused.empty();
+  if (torch_fuses && !sdpa_beats_fast_path(call)) {
+    return fused_forward(call, weights, embed_dim);
+  }
+  TORCHMHA_CHECK_ARG(
+      !call.query.is_nested() && !call.key.is_nested() && !call.value.is_nested(),
+      "MultiheadAttention does not support NestedTensor outside of its fast path. The fast path was not hit because ",
+      why_not_fused);
+  if (torch_fuses) {
+    check_fused_embedding(call, embed_dim);
+  }
+
   // validate
   const Geometry g = validate_forward(call, weights, embed_dim);
   const Sharing sharing = sharing_of(call.query, call.key, call.value);
   const auto dtype = call.query.scalar_type();
   OptionalTensor attn_mask = additive_mask(call.attn_mask, dtype);
   OptionalTensor padding = additive_mask(call.key_padding_mask, dtype);
-
-  // fused fast path
-  const bool torch_fuses = allow_fast_path && torch_takes_fast_path(call, weights);
-  if (torch_fuses && !sdpa_beats_fast_path(call)) {
-    check_mask_shapes(call, weights, g, /*attn_mask_is_read=*/true);
-    return fused_forward(call, weights, g, embed_dim, attn_mask, padding);
-  }
 
   // project
   const bool batch_first = call.batch_first;

@@ -637,3 +637,44 @@ def test_dropout_probability_is_checked_in_training_only_as_torch():
     for module in (ref, ours):
         with pytest.raises(ValueError, match="dropout probability has to be between 0 and 1, but got 1.5"):
             module(x, x, x)
+
+
+def nested_sequences(embed=8):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's prototype-API warning
+        return torch.nested.nested_tensor([torch.randn(3, embed), torch.randn(5, embed)])
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_nested_tensor_on_torchs_fast_path_as_torch(need_weights):
+    ref, ours = mha_pair(8, 2, dtype=torch.float32, batch_first=True)
+    ref.eval(), ours.eval()
+    x = nested_sequences()
+    with torch.inference_mode():
+        expected, got = ref(x, x, x, need_weights=need_weights)[0], ours(x, x, x, need_weights=need_weights)[0]
+    assert got.is_nested
+    for a, b in zip(got.unbind(), expected.unbind()):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("off_the_fast_path", ["training", "batch_first=False", "odd num_heads", "switched off", "mask"])
+def test_nested_tensor_outside_the_fast_path_raises_torchs_error(off_the_fast_path):
+    heads = 1 if off_the_fast_path == "odd num_heads" else 2
+    ref, ours = mha_pair(8, heads, dtype=torch.float32, batch_first=off_the_fast_path != "batch_first=False")
+    for m in (ref, ours):
+        m.train(off_the_fast_path == "training")
+    x = nested_sequences()
+    mask = torch.zeros(2, 5, dtype=torch.bool) if off_the_fast_path == "mask" else None
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(off_the_fast_path != "switched off")
+    try:
+        with torch.no_grad():
+            errors = []
+            for m in (ref, ours):
+                with pytest.raises(AssertionError) as error:
+                    m(x, x, x, key_padding_mask=mask)
+                errors.append(str(error.value))
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
+    assert errors[0].startswith("MultiheadAttention does not support NestedTensor outside of its fast path.")
+    assert errors[1] == errors[0]
