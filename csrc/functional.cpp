@@ -68,7 +68,7 @@ std::vector<Tensor> in_projection_packed(
       "q of shape ", q.sizes(), ", k of shape ", k.sizes(), " and v of shape ", v.sizes());
   core::InProjection in_proj{w, b, {}, {}};
   core::check_in_projection(in_proj, E, E, E, E);
-  return split_projections(core::project(q, k, v, in_proj, core::sharing_of(q, k, v)));
+  return split_projections(core::project(q, k, v, in_proj, core::sharing_of(q, k, v), /*batch_first=*/false));
 }
 
 std::vector<Tensor> in_projection(
@@ -84,7 +84,7 @@ std::vector<Tensor> in_projection(
   core::InProjection in_proj{std::nullopt, std::nullopt, {w_q, w_k, w_v}, {b_q, b_k, b_v}};
   const int64_t Eq = q.size(-1);
   core::check_in_projection(in_proj, Eq, Eq, k.size(-1), v.size(-1));
-  return split_projections(core::project(q, k, v, in_proj, core::Sharing::kSeparate));
+  return split_projections(core::project(q, k, v, in_proj, core::Sharing::kSeparate, /*batch_first=*/false));
 }
 
 std::tuple<Tensor, Tensor> multi_head_attention_forward(

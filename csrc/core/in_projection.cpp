@@ -104,12 +104,28 @@ void check_in_projection(
   }
 }
 
+namespace {
+
+// at::linear on the (len, N, E) layout that torch's functional forward projects. The layout only
+// matters for a bias whose dtype is not the input's: at::linear promotes it on a strided 3-D input
+// (matmul, then add) and rejects it on a contiguous one (addmm), and torch's module hands
+// batch_first inputs over transposed.
+Tensor linear_in_torch_layout(const Tensor& x, const Tensor& weight, const OptionalTensor& bias, bool batch_first) {
+  if (!batch_first || x.dim() != 3 || !is_present(bias) || bias->scalar_type() == x.scalar_type()) {
+    return at::linear(x, weight, bias);
+  }
+  return at::linear(x.transpose(0, 1), weight, bias).transpose(0, 1);
+}
+
+}  // namespace
+
 std::vector<ProjectionGroup> project(
     const Tensor& query,
     const Tensor& key,
     const Tensor& value,
     const InProjection& w,
-    Sharing sharing) {
+    Sharing sharing,
+    bool batch_first) {
   const Tensor* inputs[3] = {&query, &key, &value};
   const int64_t inner = w.inner();
   std::vector<ProjectionGroup> groups;
@@ -118,7 +134,8 @@ std::vector<ProjectionGroup> project(
       continue;
     }
     const Tensor weight = w.packed() ? w.packed_weight->narrow(0, first * inner, parts * inner) : *w.weights[first];
-    groups.push_back({first, parts, at::linear(*inputs[first], weight, bias_of(w, first, parts, inner))});
+    groups.push_back(
+        {first, parts, linear_in_torch_layout(*inputs[first], weight, bias_of(w, first, parts, inner), batch_first)});
   }
   return groups;
 }
@@ -132,7 +149,7 @@ std::array<Tensor, 3> project_to_heads(
     int64_t num_heads,
     bool batch_first) {
   std::array<Tensor, 3> heads;
-  for (auto& group : project(query, key, value, w, sharing)) {
+  for (auto& group : project(query, key, value, w, sharing, batch_first)) {
     auto parts = to_heads(group.output, group.parts, num_heads, batch_first);
     for (int i = 0; i < group.parts; ++i) {
       heads[group.first_part + i] = std::move(parts[i]);

@@ -40,7 +40,8 @@ void check_in_projection(
 
 /// The GEMMs of the in-projection: each ProjectionGroup holds `parts` consecutive projections of
 /// one input (q|k|v for self-attention, k|v for encoder-decoder with the packed weight; else one
-/// each). Undefined inputs are not projected. `first_part` is 0 for q, 1 for k, 2 for v.
+/// each). Undefined inputs are not projected. `first_part` is 0 for q, 1 for k, 2 for v. Inputs
+/// are (N, len, E) with batch_first, else (len, N, E).
 struct ProjectionGroup {
   int first_part;
   int parts;
@@ -51,7 +52,8 @@ std::vector<ProjectionGroup> project(
     const Tensor& key,
     const Tensor& value,
     const InProjection& w,
-    Sharing sharing);
+    Sharing sharing,
+    bool batch_first);
 
 /// project(), split into heads (N, H, len, inner / H) each, as strided views of the GEMM outputs.
 /// Entries for inputs that were not projected stay undefined.

@@ -678,3 +678,18 @@ def test_nested_tensor_outside_the_fast_path_raises_torchs_error(off_the_fast_pa
         torch.backends.mha.set_fastpath_enabled(enabled)
     assert errors[0].startswith("MultiheadAttention does not support NestedTensor outside of its fast path.")
     assert errors[1] == errors[0]
+
+
+@pytest.mark.parametrize("batch_first, transposed_input", [(True, False), (True, True), (False, False), (False, True)])
+@pytest.mark.parametrize("training", [False, True])
+def test_in_proj_bias_of_another_dtype_as_torch(batch_first, transposed_input, training):
+    """torch's slow path hands at::linear the (L, N, E) layout, which promotes a half bias on a
+    strided input and rejects it on a contiguous one: the same calls work and fail here."""
+    ref, ours = mha_pair(4, 4, dtype=torch.float64, batch_first=batch_first)
+    for m in (ref, ours):
+        m.in_proj_bias = torch.nn.Parameter(ref.in_proj_bias.detach().half().double().half())
+        m.train(training)
+    query = torch.randn(3, 5, 4, dtype=torch.float64)
+    query = query.transpose(0, 1) if transposed_input else query
+    with torch.no_grad():
+        assert_same_behaviour(lambda: ref(query, query, query), lambda: ours(query, query, query))
