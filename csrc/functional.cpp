@@ -130,7 +130,7 @@ Tensor attention_with_cache(
     const Tensor& query,
     const Tensor& k_cache,
     const Tensor& v_cache,
-    c10::SymInt cache_length,
+    const Tensor& lengths,
     int64_t num_heads,
     const OptionalTensor& in_proj_weight,
     const OptionalTensor& in_proj_bias,
@@ -145,12 +145,21 @@ Tensor attention_with_cache(
     const OptionalTensor& v_proj_weight,
     const OptionalTensor& bias_k,
     const OptionalTensor& bias_v,
-    bool add_zero_attn) {
+    bool add_zero_attn,
+    const OptionalTensor& new_lengths) {
   const auto weights = attention_weights(
       num_heads, in_proj_weight, in_proj_bias, {q_proj_weight, k_proj_weight, v_proj_weight}, {}, bias_k, bias_v,
       add_zero_attn, out_proj_weight, out_proj_bias);
   return core::attention_with_cache(
-      query, k_cache, v_cache, cache_length, weights, {key_padding_mask, dropout_p, training, batch_first});
+      query, k_cache, v_cache, lengths, new_lengths, weights, {key_padding_mask, dropout_p, training, batch_first});
+}
+
+void reorder_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths, const Tensor& indices) {
+  core::reorder_cache(k_cache, v_cache, lengths, indices);
+}
+
+void reset_cache(const Tensor& lengths, const OptionalTensor& slots) {
+  core::reset_cache(lengths, slots);
 }
 
 std::tuple<Tensor, Tensor> project_key_value(

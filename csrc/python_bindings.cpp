@@ -155,14 +155,16 @@ void bind_multihead_attention(py::module_& m) {
       .def(
           "forward_with_cache",
           [](MultiheadAttentionImpl& self, const at::Tensor& query, py::object cache,
-             const std::optional<at::Tensor>& key_padding_mask) {
+             const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& new_lengths) {
             const at::Tensor mask = key_padding_mask.value_or(at::Tensor());
             if (py::isinstance<KeyValueCache>(cache)) {
-              return self.forward_with_cache(query, cache.cast<KeyValueCache&>(), mask);
+              return self.forward_with_cache(query, cache.cast<KeyValueCache&>(), mask,
+                                             new_lengths.value_or(at::Tensor()));
             }
+            TORCH_CHECK_VALUE(!new_lengths.has_value(), "forward_with_cache: new_lengths is for a KeyValueCache");
             return self.forward_with_cache(query, cache.cast<const StaticKeyValue&>(), mask);
           },
-          arg("query"), arg("cache"), arg("key_padding_mask") = py::none())
+          arg("query"), arg("cache"), arg("key_padding_mask") = py::none(), arg("new_lengths") = py::none())
       .def(
           "project_key_value",
           [](MultiheadAttentionImpl& self, const at::Tensor& key, const std::optional<at::Tensor>& value) {
@@ -212,10 +214,22 @@ void bind_caches(py::module_& m) {
             return KeyValueCache::for_module(raw.cast<const MultiheadAttentionImpl&>(), batch_size, max_length);
           },
           arg("module"), arg("batch_size"), arg("max_length"))
-      .def("reset", py::overload_cast<>(&KeyValueCache::reset))
-      .def("reset", py::overload_cast<int64_t>(&KeyValueCache::reset), arg("batch_size"))
+      .def(
+          "reset",
+          [](KeyValueCache& self, const std::optional<at::Tensor>& slots, std::optional<int64_t> batch_size) {
+            if (batch_size.has_value()) {
+              self.reset(*batch_size);
+            } else if (slots.has_value()) {
+              self.reset(*slots);
+            } else {
+              self.reset();
+            }
+          },
+          arg("slots") = py::none(), py::kw_only(), arg("batch_size") = py::none())
+      .def("reorder", &KeyValueCache::reorder, arg("indices"))
       .def_property_readonly("keys", &KeyValueCache::keys)
       .def_property_readonly("values", &KeyValueCache::values)
+      .def_property_readonly("lengths", &KeyValueCache::lengths)
       .def_property_readonly("length", &KeyValueCache::length)
       .def_property_readonly("batch_size", &KeyValueCache::batch_size)
       .def_property_readonly("max_length", &KeyValueCache::max_length);

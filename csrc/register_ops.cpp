@@ -9,6 +9,8 @@
 
 #include <torchmha/functional.h>
 
+#include "core/decode_attention.h"
+
 #include <torch/library.h>
 
 TORCH_LIBRARY(torchmha, m) {
@@ -33,12 +35,20 @@ TORCH_LIBRARY(torchmha, m) {
   // Decoding. attention_with_cache writes the step's keys and values into the caches in place,
   // which the schema declares (a!)/(b!).
   m.def(
-      "attention_with_cache(Tensor query, Tensor(a!) k_cache, Tensor(b!) v_cache, SymInt cache_length, "
+      "attention_with_cache(Tensor query, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) lengths, "
       "int num_heads, Tensor? in_proj_weight, Tensor? in_proj_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
       "Tensor? key_padding_mask=None, float dropout_p=0., bool training=False, bool batch_first=False, "
       "Tensor? q_proj_weight=None, Tensor? k_proj_weight=None, Tensor? v_proj_weight=None, "
-      "Tensor? bias_k=None, Tensor? bias_v=None, bool add_zero_attn=False) -> Tensor",
+      "Tensor? bias_k=None, Tensor? bias_v=None, bool add_zero_attn=False, Tensor? new_lengths=None) -> Tensor",
       TORCH_FN(torchmha::attention_with_cache));
+  m.def(
+      "reorder_cache(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) lengths, Tensor indices) -> ()",
+      TORCH_FN(torchmha::reorder_cache));
+  m.def("reset_cache(Tensor(a!) lengths, Tensor? slots=None) -> ()", TORCH_FN(torchmha::reset_cache));
+  // The step's attention inside attention_with_cache: a kernel per device (decode_attention.h).
+  m.def(
+      "decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor lengths, Tensor new_lengths, Tensor? padding, float dropout_p) -> Tensor");
   m.def(
       "project_key_value(Tensor key, Tensor? value, int num_heads, Tensor? in_proj_weight, Tensor? in_proj_bias, "
       "Tensor? k_proj_weight=None, Tensor? v_proj_weight=None, bool batch_first=False, Tensor? bias_k=None, "
@@ -62,4 +72,14 @@ TORCH_LIBRARY(torchmha, m) {
       "Tensor norm2_bias, float layer_norm_eps, float attention_dropout, float dropout, bool norm_first, "
       "bool training, Tensor? attn_mask=None, Tensor? key_padding_mask=None, bool allow_fast_path=False) -> Tensor",
       TORCH_FN(torchmha::transformer_block));
+}
+
+// decode_attention: torchmha's own CPU kernel; the ATen composition on every other device and for
+// Meta/fake tensors (tracing). Decoding is inference: it has no autograd formula.
+TORCH_LIBRARY_IMPL(torchmha, CPU, m) {
+  m.impl("decode_attention", TORCH_FN(torchmha::core::decode_attention_cpu));
+}
+
+TORCH_LIBRARY_IMPL(torchmha, CompositeExplicitAutograd, m) {
+  m.impl("decode_attention", TORCH_FN(torchmha::core::decode_attention_reference));
 }

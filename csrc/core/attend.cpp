@@ -59,18 +59,6 @@ OptionalTensor padding_bias(const OptionalTensor& key_padding_mask, int64_t batc
   return additive->view_symint({batch, 1, 1, src_len});
 }
 
-OptionalTensor causal_bias(int64_t new_len, const c10::SymInt& offset, const c10::SymInt& src_len,
-                           const at::TensorOptions& options) {
-  if (new_len <= 1) {
-    return std::nullopt;
-  }
-  // arange with symbolic ends, so under torch.compile one graph serves every offset.
-  auto index_options = options.dtype(at::kLong);
-  auto query_position = at::arange(new_len, index_options).unsqueeze(1) + offset;
-  auto future = at::arange(c10::Scalar(src_len), index_options).unsqueeze(0) > query_position;
-  return additive_mask(future, options.dtype().toScalarType());
-}
-
 KeysValues append_extra_key_positions(KeysValues kv, const AttentionWeights& weights) {
   if (is_present(weights.bias_k)) {
     kv.keys = append_position(kv.keys, *weights.bias_k);

@@ -21,11 +21,6 @@ OptionalTensor add_masks(const OptionalTensor& a, const OptionalTensor& b);
 /// key_padding_mask (N, S) -> additive (N, 1, 1, S).
 OptionalTensor padding_bias(const OptionalTensor& key_padding_mask, int64_t batch, const c10::SymInt& src_len,
                             at::ScalarType dtype);
-/// new_len queries at absolute positions offset .. offset + new_len - 1 over src_len keys: query i
-/// may see keys 0 .. offset + i (bottom-right aligned). Absent when new_len == 1 (it sees all).
-OptionalTensor causal_bias(int64_t new_len, const c10::SymInt& offset, const c10::SymInt& src_len,
-                           const at::TensorOptions& options);
-
 // ---- extra key positions
 
 /// Keys and values with bias_k/bias_v and the add_zero_attn position appended along the length,

@@ -4,9 +4,14 @@
 
 #include "attend.h"
 #include "checks.h"
+#include "decode_attention.h"
 #include "in_projection.h"
 
 #include <torchmha/errors.h>
+
+#include <ATen/ATen.h>  // tensor operators (<, &, +) on index tensors
+#include <ATen/ops/arange.h>
+#include <ATen/ops/full.h>
 
 namespace torchmha::core {
 namespace {
@@ -33,7 +38,7 @@ void check_self_attention_weights(const AttentionWeights& w, int64_t embed_dim) 
       "self-attention, so it needs kdim == vdim == embed_dim (", embed_dim, "), but kdim is ", kdim, " and vdim ", vdim);
 }
 
-void check_cache(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache, const c10::SymInt& cache_length,
+void check_cache(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
                  const AttentionWeights& w, const DecodingCall& call) {
   check_no_extra_key_positions(w, "forward_with_cache");
   check_batched(query, "query", "attention_with_cache");
@@ -43,7 +48,7 @@ void check_cache(const Tensor& query, const Tensor& k_cache, const Tensor& v_cac
   const int64_t embed_dim = query.size(-1);
   check_self_attention_weights(w, embed_dim);
   check_in_projection(w.in_proj, w.in_proj.inner(), embed_dim, embed_dim, embed_dim);
-  // Else copy_ would convert the new keys into the cache and SDPA fail only after that write.
+  // Else the new keys would be converted into the cache, and attention fail only after that write.
   for (const Tensor* cache : {&k_cache, &v_cache}) {
     TORCH_CHECK(
         cache->scalar_type() == query.scalar_type() && cache->device() == query.device(),
@@ -51,22 +56,39 @@ void check_cache(const Tensor& query, const Tensor& k_cache, const Tensor& v_cac
         query.device(), "), but got ", cache->scalar_type(), ", ", cache->device());
   }
   check_dropout(call.dropout_p);
-  // cache_length grows every step; under torch.compile it is symbolic, and everything that
-  // depends on it stays symbolic (sym checks, narrow_symint, arange) so that one graph serves
-  // every step instead of one recompilation per length.
-  const int64_t max_length = k_cache.size(2);
-  const int64_t new_len = query.size(sequence_dim(call.batch_first));
-  TORCH_CHECK_VALUE(
-      cache_length.sym_ge(0).sym_and(cache_length.sym_le(max_length)).expect_true(__FILE__, __LINE__),
-      "cache_length must be in [0, ", max_length, "], but got ", cache_length);
-  TORCH_SYM_CHECK(
-      (cache_length + new_len).sym_le(max_length), "the key/value cache is full: it holds ", cache_length, " of its ",
-      max_length, " positions and cannot take ", new_len, " more; make it with a larger max_length or reset() it");
 }
 
-// The caller's key_padding_mask (N, S) as an additive (N, 1, 1, S) mask in the query's dtype.
-OptionalTensor checked_padding(const OptionalTensor& kpm, const Tensor& query, const c10::SymInt& src_len,
-                               bool batch_first) {
+// lengths, new_lengths: (N,) int64 on the query's device. (Their values are checked by the
+// attention kernel, which reads them anyway, before it writes anything.)
+void check_lengths(const Tensor& lengths, const char* name, int64_t batch, const Tensor& query) {
+  TORCH_CHECK(
+      lengths.dim() == 1 && lengths.size(0) == batch && lengths.scalar_type() == at::kLong &&
+          lengths.device() == query.device(),
+      "attention_with_cache: ", name, " must be a (", batch, ",) int64 tensor on ", query.device(), ", but got ",
+      lengths.sizes(), " ", lengths.scalar_type(), " on ", lengths.device());
+}
+
+// The caller's key_padding_mask (N, S) over cache positions [0, S), as an additive (N, S) mask in
+// the query's dtype.
+OptionalTensor cache_padding(const OptionalTensor& kpm, const Tensor& query, int64_t max_length, bool batch_first) {
+  if (!is_present(kpm)) {
+    return std::nullopt;
+  }
+  const int64_t batch = query.size(batch_dim(batch_first));
+  check_mask_kind(kpm, "key_padding_mask");
+  // S may be symbolic under torch.compile (a mask that grows with the sequence): kept so.
+  TORCHMHA_CHECK_ARG(
+      kpm->dim() == 2 && kpm->sym_size(0) == batch && kpm->sym_size(1).sym_le(max_length).expect_true(__FILE__, __LINE__),
+      "attention_with_cache: expected key_padding_mask of shape (", batch, ", S) with S <= ", max_length,
+      " (the cache's positions it masks), but got ", kpm->sym_sizes());
+  auto padding = padding_bias(kpm, batch, kpm->sym_size(1), query.scalar_type());
+  check_mask_dtype(padding, query.scalar_type());
+  return padding->view_symint({batch, kpm->sym_size(1)});
+}
+
+// The caller's key_padding_mask (N, S) over a fixed memory, as an additive (N, 1, 1, S) mask in
+// the query's dtype.
+OptionalTensor checked_padding(const OptionalTensor& kpm, const Tensor& query, int64_t src_len, bool batch_first) {
   if (!is_present(kpm)) {
     return std::nullopt;
   }
@@ -80,27 +102,62 @@ OptionalTensor checked_padding(const OptionalTensor& kpm, const Tensor& query, c
 
 }  // namespace
 
-Tensor attention_with_cache(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
-                            const c10::SymInt& cache_length, const AttentionWeights& w, const DecodingCall& call) {
-  // validate; the masks too, before the caches are written, so a bad call leaves them as they were
-  check_cache(query, k_cache, v_cache, cache_length, w, call);
+Tensor attention_with_cache(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
+                            const OptionalTensor& new_lengths, const AttentionWeights& w, const DecodingCall& call) {
+  // validate, the masks too, before the caches are written, so a bad call leaves them as they were
+  check_cache(query, k_cache, v_cache, lengths, w, call);
+  const int64_t batch = query.size(batch_dim(call.batch_first));
   const int64_t new_len = query.size(sequence_dim(call.batch_first));
-  const c10::SymInt src_len = cache_length + new_len;
-  // Query i sits at absolute position cache_length + i. (SDPA's is_causal would align the
-  // triangle top-left when new_len != src_len: wrong here.)
-  auto mask = add_masks(causal_bias(new_len, cache_length, src_len, query.options()),
-                        checked_padding(call.key_padding_mask, query, src_len, call.batch_first));
+  check_lengths(lengths, "lengths", batch, query);
+  if (is_present(new_lengths)) {
+    check_lengths(*new_lengths, "new_lengths", batch, query);
+  }
+  const Tensor added = is_present(new_lengths) ? *new_lengths : at::full({batch}, new_len, lengths.options());
+  const auto padding = cache_padding(call.key_padding_mask, query, k_cache.size(2), call.batch_first);
 
   // project: one packed GEMM for q|k|v of the new positions
   auto [q, k, v] = project_to_heads(query, query, query, w.in_proj, Sharing::kSelfAttention, w.num_heads,
                                     call.batch_first);
-  // write the cache
-  k_cache.narrow_symint(2, cache_length, new_len).copy_(k);
-  v_cache.narrow_symint(2, cache_length, new_len).copy_(v);
-  // attend, output projection
-  auto heads = attend(q, k_cache.narrow_symint(2, 0, src_len), v_cache.narrow_symint(2, 0, src_len), mask,
-                      call.effective_dropout());
-  return project_output(heads, w, call.batch_first);
+  // write the cache and attend (decode_attention), count the new positions, output projection
+  auto heads = decode_attention(q, k, v, k_cache, v_cache, lengths, added, padding, call.effective_dropout());
+  lengths.add_(added);
+  auto output = project_output(heads, w, call.batch_first);
+  if (is_present(new_lengths)) {  // rows past a sequence's new positions are zeros, not the bias
+    const Tensor steps = at::arange(new_len, lengths.options());
+    const Tensor row_is_new = call.batch_first ? steps.unsqueeze(0) < new_lengths->unsqueeze(1)
+                                               : steps.unsqueeze(1) < new_lengths->unsqueeze(0);
+    output = output.masked_fill(row_is_new.logical_not().unsqueeze(-1), 0);
+  }
+  return output;
+}
+
+void reorder_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths, const Tensor& indices) {
+  const int64_t batch = lengths.size(0);
+  TORCH_CHECK(
+      indices.dim() == 1 && indices.size(0) == batch && !at::isFloatingType(indices.scalar_type()) &&
+          indices.scalar_type() != at::kBool,
+      "KeyValueCache.reorder: expected indices of shape (", batch, ",) (an integer index per sequence), but got ",
+      indices.sizes(), " ", indices.scalar_type());
+  // index_select copies the rows first, so row i may read a row that is overwritten in place.
+  const Tensor index = indices.to(lengths.device(), at::kLong);
+  for (const Tensor* t : {&k_cache, &v_cache, &lengths}) {
+    t->copy_(t->index_select(0, index));
+  }
+}
+
+void reset_cache(const Tensor& lengths, const OptionalTensor& slots) {
+  if (!is_present(slots)) {
+    lengths.zero_();
+    return;
+  }
+  TORCH_CHECK(slots->dim() <= 1 && !at::isFloatingType(slots->scalar_type()),
+              "KeyValueCache.reset: expected slots as a 1-D integer index or bool mask, but got ", slots->sizes(), " ",
+              slots->scalar_type());
+  if (slots->scalar_type() == at::kBool) {
+    lengths.masked_fill_(slots->to(lengths.device()), 0);
+  } else {
+    lengths.index_fill_(0, slots->to(lengths.device(), at::kLong), 0);
+  }
 }
 
 std::tuple<Tensor, Tensor> project_key_value(const Tensor& key, const Tensor& value, const AttentionWeights& w,

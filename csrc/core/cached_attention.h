@@ -1,7 +1,8 @@
 #pragma once
 
 // Cached attention for decoding, on the same steps as the attention core: validate -> project
-// (one packed GEMM for the new positions) -> write the cache -> attend (SDPA) -> output projection.
+// (one packed GEMM for the new positions) -> write the cache and attend (decode_attention) -> output
+// projection.
 
 #include "arguments.h"
 
@@ -21,12 +22,18 @@ struct DecodingCall {
   double effective_dropout() const { return training ? dropout_p : 0.0; }
 };
 
-/// One step of causal self-attention: the new positions' keys and values are written into the
-/// caches (N, H, M, D) at [cache_length, cache_length + T), and query i sees keys 0 ..
-/// cache_length + i. cache_length may be symbolic (torch.compile), and stays so.
-Tensor attention_with_cache(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
-                            const c10::SymInt& cache_length, const AttentionWeights& weights,
+/// One step of causal self-attention, each sequence at its own position (functional.h's
+/// attention_with_cache): sequence n's first new_lengths[n] new positions (all T if absent) are
+/// written into the caches (N, H, M, D) at lengths[n], attend to its own prefix, and lengths[n]
+/// grows by as many, in place.
+Tensor attention_with_cache(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
+                            const OptionalTensor& new_lengths, const AttentionWeights& weights,
                             const DecodingCall& call);
+
+/// Beam search: sequence i of the cache becomes old sequence indices[i], with its length (in place).
+void reorder_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths, const Tensor& indices);
+/// Empties the sequences `slots` (an index or a bool mask; all if absent): their lengths become 0.
+void reset_cache(const Tensor& lengths, const OptionalTensor& slots);
 
 /// A fixed memory's keys and values, projected once: {keys, values}, (N, H, S, D) each, contiguous.
 std::tuple<Tensor, Tensor> project_key_value(const Tensor& key, const Tensor& value, const AttentionWeights& weights,

@@ -95,15 +95,15 @@ std::tuple<Tensor, Tensor> MultiheadAttentionImpl::forward(
 
 // ---------------------------------------------------------------------------------- decoding
 
-Tensor MultiheadAttentionImpl::forward_with_cache(const Tensor& query, KeyValueCache& cache, const Tensor& key_padding_mask) {
-  auto output = attention_with_cache(
-      query, cache.keys(), cache.values(), cache.length(), options.num_heads(), optional_if_defined(in_proj_weight),
+Tensor MultiheadAttentionImpl::forward_with_cache(const Tensor& query, KeyValueCache& cache, const Tensor& key_padding_mask,
+                                                  const Tensor& new_lengths) {
+  return attention_with_cache(
+      query, cache.keys(), cache.values(), cache.lengths(), options.num_heads(), optional_if_defined(in_proj_weight),
       optional_if_defined(in_proj_bias), out_proj->weight, optional_if_defined(out_proj->bias),
       optional_if_defined(key_padding_mask), options.dropout(), is_training(), options.batch_first(),
       optional_if_defined(q_proj_weight), optional_if_defined(k_proj_weight), optional_if_defined(v_proj_weight),
-      optional_if_defined(bias_k), optional_if_defined(bias_v), options.add_zero_attn());
-  cache.advance(query.size(options.batch_first() ? 1 : 0));  // only once the op's checks passed
-  return output;
+      optional_if_defined(bias_k), optional_if_defined(bias_v), options.add_zero_attn(),
+      optional_if_defined(new_lengths));
 }
 
 Tensor MultiheadAttentionImpl::forward_with_cache(

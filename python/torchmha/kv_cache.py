@@ -10,7 +10,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from ._ops import rules
+from ._ops import ops, rules
 
 
 class StaticKeyValue(NamedTuple):
@@ -22,13 +22,15 @@ class StaticKeyValue(NamedTuple):
 
 
 class KeyValueCache:
-    """A preallocated self-attention key/value cache for incremental decoding.
+    """A preallocated self-attention key/value cache for incremental decoding, each sequence at
+    its own position.
 
-    ``keys`` and ``values`` are (batch_size, num_heads, max_length, head_dim); the first ``length``
-    positions are filled. Each :meth:`MultiheadAttention.forward_with_cache` call writes its new
-    positions in place and advances ``length``. :meth:`reset` starts a new sequence, reusing the
-    storage (or reallocating it for another batch size). Filling past ``max_length`` or passing a
-    query of another batch size raises (RuntimeError, AssertionError) and leaves the cache as it was.
+    ``keys`` and ``values`` are (batch_size, num_heads, max_length, head_dim); ``lengths``
+    ((batch_size,) int64) counts the positions filled per sequence. Each
+    :meth:`MultiheadAttention.forward_with_cache` call writes its new positions in place and the
+    op advances ``lengths``. :meth:`reorder` follows beam search, :meth:`reset` empties some or all
+    sequences (reusing the storage, or reallocating it for another batch size). Filling past
+    ``max_length`` or passing a query of another batch size raises and leaves the cache as it was.
     """
 
     def __init__(
@@ -42,7 +44,7 @@ class KeyValueCache:
         device=None,
     ) -> None:
         self.keys, self.values = rules._key_value_cache(batch_size, num_heads, max_length, head_dim, dtype, device)
-        self.length = 0
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.keys.device)
 
     @classmethod
     def for_module(cls, module: nn.MultiheadAttention, batch_size: int, max_length: int) -> "KeyValueCache":
@@ -59,16 +61,31 @@ class KeyValueCache:
     def max_length(self) -> int:
         return self.keys.shape[2]
 
-    def reset(self, batch_size: Optional[int] = None) -> None:
-        """Forgets the cached positions; with ``batch_size``, makes room for batches of that size
-        (reallocating only if it differs)."""
+    @property
+    def length(self) -> int:
+        """Positions filled, while every sequence has the same length (else use ``lengths``)."""
+        shortest, longest = (int(x) for x in torch.aminmax(self.lengths))
+        if shortest != longest:
+            raise RuntimeError(
+                f"KeyValueCache.length: the sequences have different lengths (from {shortest} to {longest}); "
+                "use lengths"
+            )
+        return longest
+
+    def reorder(self, indices: Tensor) -> None:
+        """Beam search: sequence i becomes old sequence ``indices[i]``, with its length (in place)."""
+        ops.reorder_cache(k_cache=self.keys, v_cache=self.values, lengths=self.lengths, indices=indices)
+
+    def reset(self, slots: Optional[Tensor] = None, *, batch_size: Optional[int] = None) -> None:
+        """Empties the sequences ``slots`` (an integer index or a bool mask; all if None), so new
+        ones start there while the others go on. With ``batch_size``, empties every sequence and
+        makes room for batches of that size (reallocating only if it differs)."""
         if batch_size is not None and batch_size != self.batch_size:
             _, num_heads, max_length, head_dim = self.keys.shape
-            self.keys, self.values = rules._key_value_cache(
-                batch_size, num_heads, max_length, head_dim, self.keys.dtype, self.keys.device
-            )
-        self.length = 0
+            self.__init__(batch_size, num_heads, max_length, head_dim, dtype=self.keys.dtype, device=self.keys.device)
+            return
+        ops.reset_cache(lengths=self.lengths, slots=None if batch_size is not None else slots)
 
     def __repr__(self) -> str:
         n, h, m, d = self.keys.shape
-        return f"KeyValueCache(batch_size={n}, num_heads={h}, max_length={m}, head_dim={d}, length={self.length})"
+        return f"KeyValueCache(batch_size={n}, num_heads={h}, max_length={m}, head_dim={d}, lengths={self.lengths.tolist()})"

@@ -47,15 +47,22 @@ class MultiheadAttention(nn.MultiheadAttention):
         )
 
     def forward_with_cache(
-        self, query: Tensor, cache: Union[KeyValueCache, StaticKeyValue], key_padding_mask: Optional[Tensor] = None
+        self,
+        query: Tensor,
+        cache: Union[KeyValueCache, StaticKeyValue],
+        key_padding_mask: Optional[Tensor] = None,
+        new_lengths: Optional[Tensor] = None,
     ) -> Tensor:
         """Cached attention for incremental decoding (forward itself is unchanged). Batched inputs only.
 
-        - ``cache`` a :class:`torchmha.KeyValueCache`: causal self-attention. ``query`` (T, N, E)
-          ((N, T, E) with batch_first) holds the next T positions; their keys and values are
-          appended to the cache and position i attends to every cached position up to its own, so
-          step-by-step decoding equals one causal forward over the whole sequence.
-          ``key_padding_mask`` (N, length + T) covers every key so far (True = ignore).
+        - ``cache`` a :class:`torchmha.KeyValueCache`: causal self-attention, each sequence at its
+          own position. ``query`` (T, N, E) ((N, T, E) with batch_first) holds up to T next
+          positions per sequence: sequence i appends its first ``new_lengths[i]`` ((N,) int64;
+          default all T) at its own ``cache.lengths[i]`` and each position attends to its own
+          sequence's cached positions up to itself, so step-by-step decoding equals one causal
+          forward over each sequence alone. Output rows past ``new_lengths[i]`` are zeros.
+          ``key_padding_mask`` (N, S) masks cache positions [0, S) (True = ignore; left-padded
+          prompts), S covering every filled position.
         - ``cache`` a :class:`torchmha.StaticKeyValue` from :meth:`project_key_value`: attention to
           a fixed memory, equal to ``self(query, key, value, key_padding_mask)[0]`` without
           projecting it again.
@@ -63,17 +70,17 @@ class MultiheadAttention(nn.MultiheadAttention):
         Returns the output only, laid out like ``query``.
         """
         if isinstance(cache, KeyValueCache):
-            output = ops.attention_with_cache(
-                query=query, k_cache=cache.keys, v_cache=cache.values, cache_length=cache.length,
+            return ops.attention_with_cache(
+                query=query, k_cache=cache.keys, v_cache=cache.values, lengths=cache.lengths,
                 num_heads=self.num_heads, in_proj_weight=self.in_proj_weight, in_proj_bias=self.in_proj_bias,
                 out_proj_weight=self.out_proj.weight, out_proj_bias=self.out_proj.bias,
                 key_padding_mask=key_padding_mask, dropout_p=self.dropout, training=self.training,
                 batch_first=self.batch_first, q_proj_weight=self.q_proj_weight, k_proj_weight=self.k_proj_weight,
                 v_proj_weight=self.v_proj_weight, bias_k=self.bias_k, bias_v=self.bias_v,
-                add_zero_attn=self.add_zero_attn,
+                add_zero_attn=self.add_zero_attn, new_lengths=new_lengths,
             )
-            cache.length += query.shape[1 if self.batch_first else 0]  # once the op's checks passed
-            return output
+        if new_lengths is not None:
+            raise ValueError("forward_with_cache: new_lengths is for a KeyValueCache")
         if isinstance(cache, StaticKeyValue):
             return ops.attention_with_static_key_value(
                 query=query, keys=cache.keys, values=cache.values, num_heads=self.num_heads,

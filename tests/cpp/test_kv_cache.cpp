@@ -85,4 +85,41 @@ TEST(KeyValueCache, OtherHeadSplitOrKdimIsRejected) {
   }
 }
 
+// Each sequence's last `count` outputs of torch-style causal attention over that sequence alone.
+Tensor alone(torchmha::MultiheadAttention& mha, const Tensor& tokens, int64_t count) {
+  const auto x = tokens.unsqueeze(1);  // (L, 1, E)
+  auto out = std::get<0>(mha->forward(x, x, x, {}, false, causal_mask(x.size(0)))).squeeze(1);
+  return out.narrow(0, out.size(0) - count, count);
+}
+
+TEST(KeyValueCache, SequencesAtDifferentPositionsReorderAndReset) {
+  torch::manual_seed(2);
+  const int64_t E = 8, H = 2, N = 3;
+  auto mha = float64_attention(torchmha::MultiheadAttentionOptions(E, H));
+  auto cache = torchmha::KeyValueCache::for_module(*mha, N, 12);
+  torch::NoGradGuard no_grad;
+  std::vector<Tensor> tokens(N, torch::empty({0, E}, f64()));
+  auto step = [&](const Tensor& x, std::vector<int64_t> counts) {
+    auto out = mha->forward_with_cache(x, cache, {}, torch::tensor(counts));
+    for (int64_t i = 0; i < N; ++i) {
+      tokens[i] = torch::cat({tokens[i], x.narrow(0, 0, counts[i]).select(1, i)});
+      if (counts[i] > 0) {
+        expect_close(out.narrow(0, 0, counts[i]).select(1, i), alone(mha, tokens[i], counts[i]));
+      }
+      EXPECT_FALSE(out.narrow(0, counts[i], x.size(0) - counts[i]).select(1, i).any().item<bool>());
+      EXPECT_EQ(cache.lengths()[i].item<int64_t>(), tokens[i].size(0));
+    }
+  };
+  step(torch::randn({4, N, E}, f64()), {2, 4, 1});  // prefill of mixed lengths
+  step(torch::randn({1, N, E}, f64()), {1, 1, 1});
+  EXPECT_THROW(cache.length(), c10::Error);
+  cache.reorder(torch::tensor({1, 1, 0}));  // beam search
+  tokens = {tokens[1], tokens[1], tokens[0]};
+  step(torch::randn({1, N, E}, f64()), {1, 1, 1});
+  cache.reset(torch::tensor({2}));  // a new sequence in slot 2
+  tokens[2] = torch::empty({0, E}, f64());
+  step(torch::randn({7, N, E}, f64()), {1, 1, 7});
+  EXPECT_EQ(cache.length(), 7);
+}
+
 }  // namespace

@@ -29,6 +29,113 @@ def test_decoding_equals_full_causal_forward(dtype, chunk, batch_first, padded):
     assert_close(actual, expected, dtype, f"chunk={chunk}")
 
 
+class Sequences:
+    """Each sequence's tokens so far, and torch's causal forward over one sequence alone: what
+    every output row of a batched, mixed-length decoding step must equal."""
+
+    def __init__(self, ref, batch):
+        self.ref, self.tokens = ref, [[] for _ in range(batch)]
+
+    def append(self, i, rows):
+        self.tokens[i].extend(rows)
+
+    def expected_last(self, i, count):
+        x = torch.stack(self.tokens[i]).unsqueeze(1)  # (L, 1, E)
+        out = self.ref(x, x, x, attn_mask=causal_mask(len(x)), need_weights=False)[0][:, 0]
+        return out[len(x) - count:]
+
+
+LOW_PRECISION = {torch.bfloat16: 5e-2}  # (bfloat16's own rounding, several units of its 8-bit mantissa)
+
+
+def step(ours, seqs, x, new_lengths, dtype):
+    """One batched step of x (T, N, E); checks every sequence's rows against torch alone."""
+    with torch.no_grad():
+        out = ours.forward_with_cache(x, seqs.cache, new_lengths=torch.tensor(new_lengths))
+    for i, count in enumerate(new_lengths):
+        seqs.append(i, list(x[:count, i]))
+        if count and dtype in LOW_PRECISION:
+            torch.testing.assert_close(out[:count, i], seqs.expected_last(i, count), atol=LOW_PRECISION[dtype], rtol=0)
+        elif count:
+            assert_close(out[:count, i], seqs.expected_last(i, count), dtype, f"sequence {i}")
+        assert not out[count:, i].any(), "rows past new_lengths must be zeros"
+    assert seqs.cache.lengths.tolist() == [len(t) for t in seqs.tokens]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_sequences_at_different_positions_equal_torch_alone(dtype):
+    """Prefill of prompts of mixed lengths, single steps, beam-search reorder and a slot reset:
+    each sequence's outputs equal torch's causal forward over that sequence alone."""
+    ref, ours = mha_pair(E, H, dtype=dtype)
+    ref.eval(), ours.eval()
+    seqs = Sequences(ref, N)
+    seqs.cache = torchmha.KeyValueCache.for_module(ours, N, 16)
+    tol_dtype = dtype  # (bfloat16 runs the ATen fallback of the decoding kernel)
+    step(ours, seqs, torch.randn(5, N, E, dtype=dtype), [2, 5, 3], tol_dtype)   # prefill, mixed
+    for _ in range(3):                                                            # one token each
+        step(ours, seqs, torch.randn(1, N, E, dtype=dtype), [1, 1, 1], tol_dtype)
+    with pytest.raises(RuntimeError, match="different lengths"):
+        seqs.cache.length
+    seqs.cache.reorder(torch.tensor([2, 0, 0]))                                   # beam search
+    seqs.tokens = [list(seqs.tokens[j]) for j in (2, 0, 0)]
+    step(ours, seqs, torch.randn(1, N, E, dtype=dtype), [1, 1, 1], tol_dtype)
+    seqs.cache.reset(torch.tensor([1]))                                           # a new request in slot 1
+    seqs.tokens[1] = []
+    step(ours, seqs, torch.randn(2, N, E, dtype=dtype), [1, 2, 0], tol_dtype)
+    seqs.cache.reset(torch.tensor([True, False, True]))
+    assert seqs.cache.lengths.tolist() == [0, 2, 0]
+    seqs.cache.reset()
+    assert seqs.cache.length == 0
+
+
+def test_new_lengths_and_lengths_are_checked():
+    _, ours = mha_pair(E, H)
+    cache = torchmha.KeyValueCache.for_module(ours, N, 4)
+    x = torch.randn(2, N, E, dtype=torch.float64)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"new_lengths\[1\] must be in \[0, 2\]"):
+            ours.forward_with_cache(x, cache, new_lengths=torch.tensor([1, 3, 0]))
+        with pytest.raises(RuntimeError, match=r"new_lengths must be a \(3,\) int64 tensor"):
+            ours.forward_with_cache(x, cache, new_lengths=torch.tensor([1, 1]))
+        ours.forward_with_cache(x, cache, new_lengths=torch.tensor([2, 0, 1]))
+        with pytest.raises(RuntimeError, match="cache is full: sequence 0 holds 2 of its 4 positions and cannot take 3"):
+            ours.forward_with_cache(torch.randn(3, N, E, dtype=torch.float64), cache, new_lengths=torch.tensor([3, 0, 0]))
+        assert cache.lengths.tolist() == [2, 0, 1]
+        with pytest.raises(RuntimeError, match=r"reorder: expected indices of shape \(3,\)"):
+            cache.reorder(torch.tensor([0, 1]))
+
+
+def test_compiled_mixed_length_decoding_compiles_once():
+    """torch.compile(dynamic=True) of a batched step with per-sequence lengths: one graph for
+    every step (the lengths are data, not shapes), with torch's numbers."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    ref, ours = mha_pair(E, H)
+    ref.eval(), ours.eval()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=counter, dynamic=True, fullgraph=True)
+    def decode_step(query, cache, new_lengths):
+        return ours.forward_with_cache(query, cache, new_lengths=new_lengths)
+
+    seqs = Sequences(ref, N)
+    seqs.cache = torchmha.KeyValueCache.for_module(ours, N, 12)
+    frames = []
+    with torch.no_grad():
+        for t in range(8):
+            new = [1, int(t % 2 == 0), 1]
+            x = torch.randn(1, N, E, dtype=torch.float64)
+            out = decode_step(x, seqs.cache, torch.tensor(new))
+            frames.append(counter.frame_count)
+            for i, count in enumerate(new):
+                seqs.append(i, list(x[:count, i]))
+                if count:
+                    assert_close(out[:count, i], seqs.expected_last(i, count), torch.float64)
+    assert seqs.cache.lengths.tolist() == [8, 4, 8]
+    assert frames == [frames[0]] * 8, f"recompiled as the lengths changed: frames after each step {frames}"
+
+
 def test_chunk_mask_is_bottom_right_aligned():
     """A chunk after a prefix must see the whole prefix (SDPA's top-left is_causal would not)."""
     ref, ours = mha_pair(E, H, seed=3)
@@ -75,14 +182,16 @@ def test_full_cache_and_wrong_batch_raise_clearly_and_leave_cache_unchanged():
     cache = torchmha.KeyValueCache.for_module(ours, N, 4)
     with torch.no_grad():
         ours.forward_with_cache(torch.randn(3, N, E, dtype=torch.float64), cache)
-        with pytest.raises(RuntimeError, match="cache is full: it holds 3 of its 4 positions and cannot take 2 more"):
+        with pytest.raises(RuntimeError, match="cache is full: sequence 0 holds 3 of its 4 positions and cannot take 2 more"):
             ours.forward_with_cache(torch.randn(2, N, E, dtype=torch.float64), cache)
         assert cache.length == 3
         with pytest.raises(AssertionError, match=r"hold batches of 3, but query of shape \[1, 5, 16\] has batch size 5; reset the cache"):
             ours.forward_with_cache(torch.randn(1, 5, E, dtype=torch.float64), cache)
         assert cache.length == 3
-        with pytest.raises(AssertionError, match=r"Expected key_padded_mask.shape\[1\] to be 4, but got 1\n\(key_padding_mask of shape \[3, 1\]\)"):
+        with pytest.raises(RuntimeError, match=r"key_padding_mask covers 1 cache positions, but sequence 0 fills 4"):
             ours.forward_with_cache(torch.randn(1, N, E, dtype=torch.float64), cache, torch.zeros(N, 1, dtype=torch.bool))
+        with pytest.raises(AssertionError, match=r"key_padding_mask of shape \(3, S\) with S <= 4 .* but got \[3, 5\]"):
+            ours.forward_with_cache(torch.randn(1, N, E, dtype=torch.float64), cache, torch.zeros(N, 5, dtype=torch.bool))
         with pytest.raises(RuntimeError, match=r"float masks must have the dtype of query \(Double\), but the masks given combine to Float"):
             ours.forward_with_cache(torch.randn(1, N, E, dtype=torch.float64), cache, torch.zeros(N, 4))
         assert cache.length == 3
@@ -132,7 +241,7 @@ def test_a_cache_of_the_cpp_classes_is_named_as_such():
 
 def test_cached_op_rejects_projections_that_do_not_fit_the_cache():
     w = torch.randn(E, E)
-    cache = dict(k_cache=torch.zeros(1, H, 4, E // H), v_cache=torch.zeros(1, H, 4, E // H), cache_length=0, num_heads=H)
+    cache = dict(k_cache=torch.zeros(1, H, 4, E // H), v_cache=torch.zeros(1, H, 4, E // H), lengths=torch.zeros(1, dtype=torch.long), num_heads=H)
     step = dict(query=torch.randn(1, 1, E), out_proj_weight=w, out_proj_bias=None, in_proj_bias=None)
     with pytest.raises(AssertionError, match=r"expecting key weights shape of \(16, 16\), but got torch.Size\(\[8, 16\]\)"):
         torch.ops.torchmha.attention_with_cache(
@@ -157,9 +266,10 @@ def test_memory_projected_once_equals_cross_attention(kdim):
 
 # ------------------------------------------------------------------------------- compiled
 def test_compiled_decoding_step_compiles_once_for_every_cache_length():
-    """torch.compile(dynamic=True) of a cached step: the op takes the cache length as a SymInt and
-    keeps it symbolic, so after the first lengths (0 and 1 are specialised, as dynamo always does)
-    every further step reuses one graph; the outputs still equal one causal forward of torch's."""
+    """torch.compile(dynamic=True) of a cached step: the lengths are a tensor and no shape depends
+    on them, and a padding mask that grows with the sequence stays symbolic, so after the first
+    sizes (0 and 1 are specialised, as dynamo always does) every further step reuses one graph; the
+    outputs still equal one causal forward of torch's."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()

@@ -102,17 +102,20 @@ TORCHMHA_API std::tuple<at::Tensor, at::Tensor> multi_head_attention_forward(
 // differ from E) into heads. bias_k, bias_v and add_zero_attn are rejected: a cache holds no
 // positions for them. Cached keys and values are (N, H, M, D).
 
-/// One step of incremental causal self-attention: query (T, N, E) or (N, T, E) holds the next T
-/// positions. Their keys and values (one packed GEMM with q) are written in place into k_cache
-/// and v_cache at [cache_length, cache_length + T), and query i (position cache_length + i) sees
-/// keys 0 .. cache_length + i. key_padding_mask covers every key so far: (N, cache_length + T).
-/// Returns the output in query's layout. The caller advances its cache length by T. cache_length
-/// is a SymInt (an int64_t converts) so that under torch.compile one graph serves every length.
+/// One step of incremental causal self-attention, each sequence at its own position: query
+/// (T, N, E) or (N, T, E) holds up to T next positions per sequence. Sequence n appends its first
+/// new_lengths[n] positions (default: all T): their keys and values (one packed GEMM with q) are
+/// written in place into k_cache and v_cache at [lengths[n], lengths[n] + new_lengths[n]), query
+/// row t (position lengths[n] + t) sees keys 0 .. lengths[n] + t, and lengths[n] grows by
+/// new_lengths[n] (in place: lengths (N,) int64 is the cache's own count). Output rows past
+/// new_lengths[n] are zeros. key_padding_mask (N, S) masks cache positions [0, S); S must cover
+/// every filled position. Returns the output in query's layout. Shapes never depend on the
+/// lengths, so under torch.compile one graph serves every step.
 TORCHMHA_API at::Tensor attention_with_cache(
     const at::Tensor& query,
     const at::Tensor& k_cache,
     const at::Tensor& v_cache,
-    c10::SymInt cache_length,
+    const at::Tensor& lengths,
     int64_t num_heads,
     const std::optional<at::Tensor>& in_proj_weight,
     const std::optional<at::Tensor>& in_proj_bias,
@@ -127,7 +130,19 @@ TORCHMHA_API at::Tensor attention_with_cache(
     const std::optional<at::Tensor>& v_proj_weight = std::nullopt,
     const std::optional<at::Tensor>& bias_k = std::nullopt,
     const std::optional<at::Tensor>& bias_v = std::nullopt,
-    bool add_zero_attn = false);
+    bool add_zero_attn = false,
+    const std::optional<at::Tensor>& new_lengths = std::nullopt);
+
+/// Beam search: sequence i of the cache (k_cache, v_cache and lengths, in place) becomes old
+/// sequence indices[i].
+TORCHMHA_API void reorder_cache(
+    const at::Tensor& k_cache,
+    const at::Tensor& v_cache,
+    const at::Tensor& lengths,
+    const at::Tensor& indices);
+/// Empties the sequences `slots` (an integer index or a bool mask; every one if absent), so a new
+/// sequence can start there while the others go on.
+TORCHMHA_API void reset_cache(const at::Tensor& lengths, const std::optional<at::Tensor>& slots = std::nullopt);
 
 /// Projects a fixed memory once: key (S, N, kdim) and value (S, N, vdim) (value defaults to key),
 /// or (N, S, *) with batch_first, through the k and v weights. Returns {keys, values}, each

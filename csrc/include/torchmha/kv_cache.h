@@ -16,12 +16,15 @@ struct StaticKeyValue {
   at::Tensor values;
 };
 
-/// A preallocated self-attention key/value cache: keys and values (N, H, max_length, D), of
-/// which the first length() positions are filled. Each decoding step appends in place.
+/// A preallocated self-attention key/value cache: keys and values (N, H, max_length, D), and
+/// lengths() (N,) int64, the positions filled per sequence. Each decoding step appends in place;
+/// sequences may be at different positions.
 /// ```
-/// auto cache = torchmha::KeyValueCache::for_module(*mha, /*batch_size=*/1, /*max_length=*/1024);
-/// for (...) { auto y = mha->forward_with_cache(x_t, cache); }   // x_t: one new position
-/// cache.reset();                                                 // next sequence, same batch
+/// auto cache = torchmha::KeyValueCache::for_module(*mha, /*batch_size=*/4, /*max_length=*/1024);
+/// auto y = mha->forward_with_cache(prompts, cache, prompt_lengths);  // prefill, mixed lengths
+/// for (...) { y = mha->forward_with_cache(x_t, cache); }              // one position each
+/// cache.reorder(beams);                                                // beam search
+/// cache.reset(finished);                                               // new requests in those slots
 /// ```
 class TORCHMHA_API KeyValueCache {
  public:
@@ -39,24 +42,27 @@ class TORCHMHA_API KeyValueCache {
         batch_size, attention.options.num_heads(), max_length, attention.head_dim, attention.out_proj->weight.options());
   }
 
-  /// Forgets the cached positions (keeps the storage).
+  /// Empties every sequence (keeps the storage).
   void reset();
-  /// Forgets the cached positions and makes room for batches of `batch_size` (reallocates only if
-  /// the batch size changes).
+  /// Empties the sequences `slots` (an integer index or a bool mask); the others go on.
+  void reset(const at::Tensor& slots);
+  /// Empties every sequence and makes room for batches of `batch_size` (reallocates only if the
+  /// batch size changes).
   void reset(int64_t batch_size);
-  /// Counts `positions` more as filled: attention_with_cache wrote them (forward_with_cache calls this).
-  void advance(int64_t positions);
+  /// Beam search: sequence i becomes old sequence indices[i], with its length.
+  void reorder(const at::Tensor& indices);
 
   const at::Tensor& keys() const { return keys_; }
   const at::Tensor& values() const { return values_; }
-  /// Positions filled so far.
-  int64_t length() const { return length_; }
+  /// Positions filled per sequence, (N,) int64 (the decoding op updates it in place).
+  const at::Tensor& lengths() const { return lengths_; }
+  /// Positions filled, while every sequence has the same length; throws when they differ.
+  int64_t length() const;
   int64_t batch_size() const { return keys_.size(0); }
   int64_t max_length() const { return keys_.size(2); }
 
  private:
-  at::Tensor keys_, values_;
-  int64_t length_ = 0;
+  at::Tensor keys_, values_, lengths_;
 };
 
 }  // namespace torchmha

@@ -75,12 +75,14 @@ class TORCHMHA_API MultiheadAttentionImpl : public torch::nn::Cloneable<Multihea
       bool average_attn_weights = true,
       bool is_causal = false);
 
-  /// Incremental causal self-attention (kv_cache.h): query (T, N, E)
-  /// or (N, T, E) holds the next T positions; their keys and values are appended to `cache`,
-  /// and each attends to every cached position up to its own. key_padding_mask (N, length + T)
-  /// covers all keys so far. Equals forward() with a causal mask over the whole sequence.
-  /// Needs the packed in-projection, no bias_k/bias_v and no add_zero_attn.
-  at::Tensor forward_with_cache(const at::Tensor& query, KeyValueCache& cache, const at::Tensor& key_padding_mask = {});
+  /// Incremental causal self-attention (kv_cache.h): query (T, N, E) or (N, T, E) holds up to T
+  /// next positions per sequence. Sequence n appends its first new_lengths[n] (default: all T) at
+  /// its own cache.lengths()[n], and each attends to its own cached positions up to itself;
+  /// output rows past new_lengths[n] are zeros. key_padding_mask (N, S) masks cache positions
+  /// [0, S) (left-padded prompts), S covering every filled position. Equals forward() with a
+  /// causal mask over each sequence alone. Needs no bias_k/bias_v and no add_zero_attn.
+  at::Tensor forward_with_cache(const at::Tensor& query, KeyValueCache& cache, const at::Tensor& key_padding_mask = {},
+                                const at::Tensor& new_lengths = {});
   /// Attention to a fixed memory projected once by project_key_value() (the cross-attention
   /// cache): equals forward(query, key, value, key_padding_mask) without recomputing k and v.
   at::Tensor forward_with_cache(

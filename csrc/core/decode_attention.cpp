@@ -1,0 +1,209 @@
+// The decoding step's attention (decode_attention.h).
+
+#include "decode_attention.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/_assert_async.h>
+#include <ATen/ATen.h>  // tensor operators (<, &, +) on index tensors
+#include <ATen/ops/arange.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace torchmha::core {
+
+Tensor decode_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
+                        const Tensor& v_cache, const Tensor& lengths, const Tensor& new_lengths,
+                        const OptionalTensor& padding, double dropout_p) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchmha::decode_attention", "")
+                       .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                     const Tensor&, const Tensor&, const OptionalTensor&, double)>();
+  return op.call(q, k_new, v_new, k_cache, v_cache, lengths, new_lengths, padding, dropout_p);
+}
+
+// ------------------------------------------------------------------------------ reference
+namespace {
+
+// Index (N, T) along the positions of (N, H, *, D) tensors.
+Tensor along_positions(const Tensor& index, const Tensor& like) {
+  const int64_t N = like.size(0), H = like.size(1), D = like.size(3), T = index.size(1);
+  return index.view({N, 1, T, 1}).expand({N, H, T, D});
+}
+
+// Writes the new rows. Rows past new_lengths (and any that would fall past the capacity) are
+// aimed at a clamped position and carry the value that position must hold after the step, so
+// every write to one position writes the same value: the result does not depend on their order.
+void write_rows(const Tensor& cache, const Tensor& fresh, const Tensor& lengths, const Tensor& new_lengths) {
+  const int64_t M = cache.size(2), T = fresh.size(2);
+  const Tensor start = lengths.unsqueeze(1);
+  const Tensor target = (start + at::arange(T, lengths.options())).clamp_max(M - 1);
+  const Tensor from_fresh = (target >= start) & (target < start + new_lengths.unsqueeze(1));
+  const Tensor fresh_row = (target - start).clamp(0, T - 1);
+  const Tensor index = along_positions(target, cache);
+  const Tensor value = at::where(from_fresh.unsqueeze(1).unsqueeze(-1),
+                                 fresh.gather(2, along_positions(fresh_row, fresh)), cache.gather(2, index));
+  cache.scatter_(2, index, value);
+}
+
+}  // namespace
+
+Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
+                                  const Tensor& v_cache, const Tensor& lengths, const Tensor& new_lengths,
+                                  const OptionalTensor& padding, double dropout_p) {
+  const int64_t N = k_cache.size(0), M = k_cache.size(2), T = q.size(2);
+  at::_assert_async(((lengths + new_lengths) <= M).all(), "decode_attention: the key/value cache is full");
+  write_rows(k_cache, k_new, lengths, new_lengths);
+  write_rows(v_cache, v_new, lengths, new_lengths);
+
+  const Tensor steps = at::arange(T, lengths.options());
+  const Tensor row_is_new = steps.unsqueeze(0) < new_lengths.unsqueeze(1);                  // (N, T)
+  // Rows past new_lengths see key 0 only (their result is replaced by zeros), so none is all masked.
+  const Tensor last_key = at::where(row_is_new, lengths.unsqueeze(1) + steps, 0);          // (N, T)
+  const Tensor visible = at::arange(M, lengths.options()).view({1, 1, M}) <= last_key.unsqueeze(2);
+  Tensor mask = at::zeros({N, 1, T, M}, q.options())
+                    .masked_fill(visible.logical_not().unsqueeze(1), -std::numeric_limits<double>::infinity());
+  if (is_present(padding)) {
+    const c10::SymInt pad[2] = {0, M - padding->sym_size(1)};  // symbolic S stays symbolic
+    mask = mask + at::constant_pad_nd_symint(*padding, pad).view({N, 1, 1, M});
+  }
+  const Tensor out = at::scaled_dot_product_attention(q, k_cache, v_cache, mask, dropout_p);
+  return out.masked_fill(row_is_new.logical_not().view({N, 1, T, 1}), 0);
+}
+
+// ------------------------------------------------------------------------------ CPU kernel
+namespace {
+
+// The step's lengths, read once (they are on the CPU with the data), and checked before anything
+// is written, with the numbers.
+struct StepLengths {
+  std::vector<int64_t> before, added;
+};
+
+StepLengths checked_lengths(const Tensor& lengths, const Tensor& new_lengths, int64_t T, int64_t M,
+                            const OptionalTensor& padding) {
+  const Tensor l = lengths.contiguous(), n = new_lengths.contiguous();
+  StepLengths s{{l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel()},
+                {n.data_ptr<int64_t>(), n.data_ptr<int64_t>() + n.numel()}};
+  for (size_t i = 0; i < s.before.size(); ++i) {
+    TORCH_CHECK_VALUE(s.added[i] >= 0 && s.added[i] <= T, "new_lengths[", i, "] must be in [0, ", T,
+                      "] (the query's length), but got ", s.added[i]);
+    TORCH_CHECK(s.before[i] >= 0 && s.before[i] + s.added[i] <= M, "the key/value cache is full: sequence ", i,
+                " holds ", s.before[i], " of its ", M, " positions and cannot take ", s.added[i],
+                " more; make it with a larger max_length or reset() it");
+    TORCH_CHECK(!is_present(padding) || s.before[i] + s.added[i] <= padding->size(1), "key_padding_mask covers ",
+                padding->size(1), " cache positions, but sequence ", i, " fills ", s.before[i] + s.added[i]);
+  }
+  return s;
+}
+
+// One (sequence, head): write the new rows, then for each new query row one pass over the keys
+// (scores), a softmax, and one pass over the values. The scores of a row are the only buffer.
+template <typename scalar_t>
+struct HeadStep {
+  using Vec = at::vec::Vectorized<scalar_t>;
+  const scalar_t *q, *k_new, *v_new, *pad;  // q/k_new/v_new rows (N, H, T, D) strided; pad (S) or null
+  int64_t q_row, new_row;                   // row strides of q and of k_new/v_new
+  scalar_t *k_cache, *v_cache, *out;        // (M, D) contiguous, out (T, D) contiguous
+  int64_t D, pad_len;
+  scalar_t scale;
+
+  void write(int64_t start, int64_t count, const scalar_t* fresh, int64_t fresh_row, scalar_t* cache) const {
+    for (int64_t t = 0; t < count; ++t) {
+      std::copy(fresh + t * fresh_row, fresh + t * fresh_row + D, cache + (start + t) * D);
+    }
+  }
+
+  void attend_row(const scalar_t* query, int64_t keys, scalar_t* result, std::vector<scalar_t>& scores) const {
+    scores.resize(keys);
+    for (int64_t j = 0; j < keys; ++j) {
+      const scalar_t dot = at::vec::map2_reduce_all<scalar_t>(
+          [](Vec a, Vec b) { return a * b; }, [](Vec a, Vec b) { return a + b; }, query, k_cache + j * D, D);
+      scores[j] = dot * scale + (pad != nullptr && j < pad_len ? pad[j] : scalar_t(0));
+    }
+    const scalar_t max = at::vec::reduce_all<scalar_t>(
+        [](Vec a, Vec b) { return at::vec::maximum(a, b); }, scores.data(), keys);
+    at::vec::map([max](Vec x) { return (x - Vec(max)).exp(); }, scores.data(), scores.data(), keys);
+    const scalar_t sum = at::vec::reduce_all<scalar_t>([](Vec a, Vec b) { return a + b; }, scores.data(), keys);
+    for (int64_t j = 0; j < keys; ++j) {
+      const Vec p(scores[j] / sum);
+      at::vec::map2([p](Vec acc, Vec v) { return acc + p * v; }, result, result, v_cache + j * D, D);
+    }
+  }
+
+  void run(int64_t start, int64_t count, std::vector<scalar_t>& scores) const {
+    write(start, count, k_new, new_row, k_cache);
+    write(start, count, v_new, new_row, v_cache);
+    for (int64_t t = 0; t < count; ++t) {
+      attend_row(q + t * q_row, start + t + 1, out + t * D, scores);
+    }
+  }
+};
+
+template <typename scalar_t>
+void decode_attention_kernel(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
+                             const Tensor& v_cache, const StepLengths& lengths, const OptionalTensor& padding,
+                             const Tensor& out) {
+  const int64_t H = q.size(1), M = k_cache.size(2), D = q.size(3);
+  const scalar_t scale = scalar_t(1) / std::sqrt(scalar_t(D));
+  at::parallel_for(0, q.size(0) * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = i / H, h = i % H;
+      const HeadStep<scalar_t> step{
+          q.data_ptr<scalar_t>() + n * q.stride(0) + h * q.stride(1),
+          k_new.data_ptr<scalar_t>() + n * k_new.stride(0) + h * k_new.stride(1),
+          v_new.data_ptr<scalar_t>() + n * v_new.stride(0) + h * v_new.stride(1),
+          is_present(padding) ? padding->data_ptr<scalar_t>() + n * padding->stride(0) : nullptr,
+          q.stride(2), k_new.stride(2),
+          k_cache.data_ptr<scalar_t>() + (n * H + h) * M * D,
+          v_cache.data_ptr<scalar_t>() + (n * H + h) * M * D,
+          out.data_ptr<scalar_t>() + (n * H + h) * out.size(2) * D,
+          D, is_present(padding) ? padding->size(1) : 0, scale};
+      step.run(lengths.before[n], lengths.added[n], scores);
+    }
+  });
+}
+
+// The kernel reads rows with unit stride along D, and whole caches and padding rows contiguously.
+bool kernel_applies(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
+                    const Tensor& v_cache, const OptionalTensor& padding, double dropout_p) {
+  const auto dtype = q.scalar_type();
+  if (dropout_p > 0.0 || (dtype != at::kFloat && dtype != at::kDouble)) {
+    return false;
+  }
+  for (const Tensor* t : {&k_new, &v_new, &k_cache, &v_cache}) {
+    if (t->scalar_type() != dtype) {
+      return false;
+    }
+  }
+  return k_cache.is_contiguous() && v_cache.is_contiguous() && q.stride(3) == 1 && k_new.stride(3) == 1 &&
+      v_new.stride(3) == 1 && (!is_present(padding) || (padding->scalar_type() == dtype && padding->stride(1) == 1));
+}
+
+}  // namespace
+
+Tensor decode_attention_cpu(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
+                            const Tensor& v_cache, const Tensor& lengths, const Tensor& new_lengths,
+                            const OptionalTensor& padding, double dropout_p) {
+  const auto step = checked_lengths(lengths, new_lengths, q.size(2), k_cache.size(2), padding);
+  if (!kernel_applies(q, k_new, v_new, k_cache, v_cache, padding, dropout_p)) {
+    return decode_attention_reference(q, k_new, v_new, k_cache, v_cache, lengths, new_lengths, padding, dropout_p);
+  }
+  Tensor out = at::zeros(q.sizes(), q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_attention_cpu", [&] {
+    decode_attention_kernel<scalar_t>(q, k_new, v_new, k_cache, v_cache, step, padding, out);
+  });
+  return out;
+}
+
+}  // namespace torchmha::core
