@@ -43,6 +43,9 @@ class KeyValueCache:
         dtype: Optional[torch.dtype] = None,
         device=None,
     ) -> None:
+        self._allocate(batch_size, num_heads, max_length, head_dim, dtype, device)
+
+    def _allocate(self, batch_size: int, num_heads: int, max_length: int, head_dim: int, dtype, device) -> None:
         self.keys, self.values = rules._key_value_cache(batch_size, num_heads, max_length, head_dim, dtype, device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.keys.device)
 
@@ -82,7 +85,7 @@ class KeyValueCache:
         makes room for batches of that size (reallocating only if it differs)."""
         if batch_size is not None and batch_size != self.batch_size:
             _, num_heads, max_length, head_dim = self.keys.shape
-            self.__init__(batch_size, num_heads, max_length, head_dim, dtype=self.keys.dtype, device=self.keys.device)
+            self._allocate(batch_size, num_heads, max_length, head_dim, self.keys.dtype, self.keys.device)
             return
         ops.reset_cache(lengths=self.lengths, slots=None if batch_size is not None else slots)
 

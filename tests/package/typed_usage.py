@@ -15,6 +15,10 @@ result: Tuple[Tensor, Optional[Tensor]] = mha(x, x, x)
 output: Tensor = mha.forward(x, x, x)[0]
 cache: torchmha.KeyValueCache = torchmha.KeyValueCache.for_module(mha, batch_size=2, max_length=8)
 step: Tensor = mha.forward_with_cache(x[:, :1], cache)
+mixed: Tensor = mha.forward_with_cache(x[:, :2], cache, new_lengths=torch.tensor([1, 2]))
+lengths: Tensor = cache.lengths
+cache.reorder(torch.tensor([1, 0]))
+cache.reset(torch.tensor([0]))
 memory: torchmha.StaticKeyValue = mha.project_key_value(x)
 v4: Tensor = torchmha.MultiheadAttentionV4(8, 2)(x, x, x)
 block: Tensor = torchmha.TransformerBlock(8, 2)(x)
@@ -28,4 +32,5 @@ built_for: Optional[object] = info["torch"]
 not_a_tensor: int = mha.forward(x, x, x)[0]  # type: ignore[assignment]
 not_a_cache: int = torchmha.KeyValueCache.for_module(mha, batch_size=2, max_length=8)  # type: ignore[assignment]
 not_an_output: int = mha.forward_with_cache(x[:, :1], cache)  # type: ignore[assignment]
+not_lengths: int = cache.lengths  # type: ignore[assignment]
 not_a_version: int = torchmha.__version__  # type: ignore[assignment]
