@@ -2,11 +2,12 @@
 
 #include "decode_attention.h"
 
+#include "decode_kernel.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
+#include <ATen/Version.h>
 #include <ATen/ops/_assert_async.h>
 #include <ATen/ATen.h>  // tensor operators (<, &, +) on index tensors
 #include <ATen/ops/arange.h>
@@ -17,6 +18,7 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace torchmha::core {
@@ -106,79 +108,36 @@ StepLengths checked_lengths(const Tensor& lengths, const Tensor& new_lengths, in
   return s;
 }
 
-// One (sequence, head): write the new rows, then for each new query row one pass over the keys
-// (scores), a softmax, and one pass over the values. The scores of a row are the only buffer.
-template <typename scalar_t>
-struct HeadStep {
-  using Vec = at::vec::Vectorized<scalar_t>;
-  const scalar_t *q, *k_new, *v_new, *pad;  // q/k_new/v_new rows (N, H, T, D) strided; pad (S) or null
-  int64_t q_row, new_row;                   // row strides of q and of k_new/v_new
-  scalar_t *k_cache, *v_cache, *out;        // (M, D) contiguous, out (T, D) contiguous
-  int64_t D, pad_len;
-  scalar_t scale;
-
-  void write(int64_t start, int64_t count, const scalar_t* fresh, int64_t fresh_row, scalar_t* cache) const {
-    for (int64_t t = 0; t < count; ++t) {
-      std::copy(fresh + t * fresh_row, fresh + t * fresh_row + D, cache + (start + t) * D);
-    }
-  }
-
-  void attend_row(const scalar_t* query, int64_t keys, scalar_t* result, std::vector<scalar_t>& scores) const {
-    scores.resize(keys);
-    for (int64_t j = 0; j < keys; ++j) {
-      const scalar_t dot = at::vec::map2_reduce_all<scalar_t>(
-          [](Vec a, Vec b) { return a * b; }, [](Vec a, Vec b) { return a + b; }, query, k_cache + j * D, D);
-      scores[j] = dot * scale + (pad != nullptr && j < pad_len ? pad[j] : scalar_t(0));
-    }
-    const scalar_t max = at::vec::reduce_all<scalar_t>(
-        [](Vec a, Vec b) { return at::vec::maximum(a, b); }, scores.data(), keys);
-    at::vec::map([max](Vec x) { return (x - Vec(max)).exp(); }, scores.data(), scores.data(), keys);
-    const scalar_t sum = at::vec::reduce_all<scalar_t>([](Vec a, Vec b) { return a + b; }, scores.data(), keys);
-    for (int64_t j = 0; j < keys; ++j) {
-      const Vec p(scores[j] / sum);
-      at::vec::map2([p](Vec acc, Vec v) { return acc + p * v; }, result, result, v_cache + j * D, D);
-    }
-  }
-
-  void run(int64_t start, int64_t count, std::vector<scalar_t>& scores) const {
-    write(start, count, k_new, new_row, k_cache);
-    write(start, count, v_new, new_row, v_cache);
-    for (int64_t t = 0; t < count; ++t) {
-      attend_row(q + t * q_row, start + t + 1, out + t * D, scores);
-    }
-  }
-};
-
 template <typename scalar_t>
 void decode_attention_kernel(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                              const Tensor& v_cache, const StepLengths& lengths, const OptionalTensor& padding,
                              const Tensor& out) {
-  const int64_t H = q.size(1), M = k_cache.size(2), D = q.size(3);
-  const scalar_t scale = scalar_t(1) / std::sqrt(scalar_t(D));
-  at::parallel_for(0, q.size(0) * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> scores;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t n = i / H, h = i % H;
-      const HeadStep<scalar_t> step{
-          q.data_ptr<scalar_t>() + n * q.stride(0) + h * q.stride(1),
-          k_new.data_ptr<scalar_t>() + n * k_new.stride(0) + h * k_new.stride(1),
-          v_new.data_ptr<scalar_t>() + n * v_new.stride(0) + h * v_new.stride(1),
-          is_present(padding) ? padding->data_ptr<scalar_t>() + n * padding->stride(0) : nullptr,
-          q.stride(2), k_new.stride(2),
-          k_cache.data_ptr<scalar_t>() + (n * H + h) * M * D,
-          v_cache.data_ptr<scalar_t>() + (n * H + h) * M * D,
-          out.data_ptr<scalar_t>() + (n * H + h) * out.size(2) * D,
-          D, is_present(padding) ? padding->size(1) : 0, scale};
-      step.run(lengths.before[n], lengths.added[n], scores);
-    }
-  });
+  const int64_t H = q.size(1), D = q.size(3);
+  const kernel::DecodeProblem<scalar_t> problem{
+      q.data_ptr<scalar_t>(), k_new.data_ptr<scalar_t>(), v_new.data_ptr<scalar_t>(),
+      {q.stride(0), q.stride(1), q.stride(2)}, {k_new.stride(0), k_new.stride(1), k_new.stride(2)},
+      k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+      is_present(padding) ? padding->data_ptr<scalar_t>() : nullptr,
+      is_present(padding) ? padding->stride(0) : 0, is_present(padding) ? padding->size(1) : 0,
+      lengths.before.data(), lengths.added.data(), H, q.size(2), k_cache.size(2), D,
+      scalar_t(1) / std::sqrt(scalar_t(D))};
+  at::parallel_for(0, q.size(0) * H, 1, [&](int64_t begin, int64_t end) { kernel::decode_heads(problem, begin, end); });
+}
+
+// The kernel is built for AVX2 (decode_kernel.h): on an older CPU the composition runs instead.
+bool cpu_has_avx2() {
+  static const bool has = [] {
+    const std::string capability = at::get_cpu_capability();
+    return capability == "AVX2" || capability == "AVX512";
+  }();
+  return has;
 }
 
 // The kernel reads rows with unit stride along D, and whole caches and padding rows contiguously.
 bool kernel_applies(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                     const Tensor& v_cache, const OptionalTensor& padding, double dropout_p) {
   const auto dtype = q.scalar_type();
-  if (dropout_p > 0.0 || (dtype != at::kFloat && dtype != at::kDouble)) {
+  if (!cpu_has_avx2() || dropout_p > 0.0 || (dtype != at::kFloat && dtype != at::kDouble)) {
     return false;
   }
   for (const Tensor* t : {&k_new, &v_new, &k_cache, &v_cache}) {
@@ -187,7 +146,8 @@ bool kernel_applies(const Tensor& q, const Tensor& k_new, const Tensor& v_new, c
     }
   }
   return k_cache.is_contiguous() && v_cache.is_contiguous() && q.stride(3) == 1 && k_new.stride(3) == 1 &&
-      v_new.stride(3) == 1 && (!is_present(padding) || (padding->scalar_type() == dtype && padding->stride(1) == 1));
+      v_new.stride(3) == 1 && k_new.strides() == v_new.strides() &&
+      (!is_present(padding) || (padding->scalar_type() == dtype && padding->stride(1) == 1));
 }
 
 }  // namespace

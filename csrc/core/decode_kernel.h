@@ -1,0 +1,31 @@
+#pragma once
+
+// The inner loop of torchmha's CPU decode kernel (decode_attention.cpp), on raw pointers. It is
+// compiled on its own with AVX2/FMA (decode_kernel.cpp; CMakeLists.txt sets the flags), so at::vec
+// is vectorized; decode_attention.cpp calls it only where the CPU has AVX2 (else the ATen
+// composition runs). This header includes nothing of ATen's, so no inline function compiled with
+// AVX2 can be shared with the rest of the library.
+
+#include <cstdint>
+
+namespace torchmha::core::kernel {
+
+/// One decoding step's problem: N sequences x H heads, rows of length D.
+template <typename scalar_t>
+struct DecodeProblem {
+  const scalar_t *q, *k_new, *v_new;   // (N, H, T, D), rows contiguous; strides below
+  int64_t q_strides[3], new_strides[3];  // sequence, head, row strides of q and of k_new/v_new
+  scalar_t *k_cache, *v_cache;          // (N, H, M, D) contiguous
+  scalar_t* out;                        // (N, H, T, D) contiguous, zeros
+  const scalar_t* padding;              // (N, S) additive, row stride padding_stride; or null
+  int64_t padding_stride, padding_len;
+  const int64_t *before, *added;        // lengths before the step, positions added, per sequence
+  int64_t H, T, M, D;
+  scalar_t scale;
+};
+
+/// Runs (sequence, head) pairs [begin, end) of `p`: writes their new rows, then attends.
+void decode_heads(const DecodeProblem<float>& p, int64_t begin, int64_t end);
+void decode_heads(const DecodeProblem<double>& p, int64_t begin, int64_t end);
+
+}  // namespace torchmha::core::kernel
