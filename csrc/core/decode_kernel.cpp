@@ -21,17 +21,35 @@ void attend_row(const DecodeProblem<scalar_t>& p, const scalar_t* query, const s
   using V = Vec<scalar_t>;
   const int64_t D = p.D;
   scores.resize(keys);
-  for (int64_t j = 0; j < keys; ++j) {
-    const scalar_t dot = at::vec::map2_reduce_all<scalar_t>(
+  int64_t j = 0;
+  if (D % V::size() == 0) {  // four keys at a time: four FMA chains, then one horizontal sum each
+    for (; j + 4 <= keys; j += 4) {
+      V acc[4] = {V(0), V(0), V(0), V(0)};
+      for (int64_t d = 0; d < D; d += V::size()) {
+        const V x = V::loadu(query + d);
+        for (int r = 0; r < 4; ++r) {
+          acc[r] = at::vec::fmadd(x, V::loadu(k + (j + r) * D + d), acc[r]);
+        }
+      }
+      for (int r = 0; r < 4; ++r) {
+        scores[j + r] = at::vec::vec_reduce_all<scalar_t>([](V a, V b) { return a + b; }, acc[r]);
+      }
+    }
+  }
+  for (; j < keys; ++j) {
+    scores[j] = at::vec::map2_reduce_all<scalar_t>(
         [](V a, V b) { return a * b; }, [](V a, V b) { return a + b; }, query, k + j * D, D);
-    scores[j] = dot * p.scale + (pad != nullptr && j < p.padding_len ? pad[j] : scalar_t(0));
+  }
+  for (j = 0; j < keys; ++j) {
+    scores[j] = scores[j] * p.scale + (pad != nullptr && j < p.padding_len ? pad[j] : scalar_t(0));
   }
   const scalar_t max = at::vec::reduce_all<scalar_t>([](V a, V b) { return at::vec::maximum(a, b); }, scores.data(), keys);
   at::vec::map([max](V x) { return (x - V(max)).exp_u20(); }, scores.data(), scores.data(), keys);
   const scalar_t sum = at::vec::reduce_all<scalar_t>([](V a, V b) { return a + b; }, scores.data(), keys);
-  for (int64_t j = 0; j < keys; ++j) {
-    const V weight(scores[j] / sum);
-    at::vec::map2([weight](V acc, V x) { return at::vec::fmadd(weight, x, acc); }, result, result, v + j * D, D);
+  const scalar_t inverse = scalar_t(1) / sum;
+  for (int64_t key = 0; key < keys; ++key) {
+    const V weight(scores[key] * inverse);
+    at::vec::map2([weight](V acc, V x) { return at::vec::fmadd(weight, x, acc); }, result, result, v + key * D, D);
   }
 }
 
