@@ -693,3 +693,42 @@ def test_in_proj_bias_of_another_dtype_as_torch(batch_first, transposed_input, t
     query = query.transpose(0, 1) if transposed_input else query
     with torch.no_grad():
         assert_same_behaviour(lambda: ref(query, query, query), lambda: ours(query, query, query))
+
+
+FAST_PATH_CASES = {
+    "eval, batch_first, self-attention": dict(),
+    "with a bool padding mask": dict(mask=True),
+    "training": dict(training=True),
+    "batch_first=False": dict(batch_first=False),
+    "query is not key": dict(cross=True),
+    "odd num_heads": dict(heads=1),
+    "grad enabled, parameters require grad": dict(grad=True),
+    "switched off": dict(switch=False),
+    "float mask": dict(float_mask=True),
+}
+
+
+@pytest.mark.parametrize("case", list(FAST_PATH_CASES))
+def test_fused_kernel_runs_exactly_where_torchs_does(case):
+    """torch's tests mock torch._native_multi_head_attention in Python, which a call from C++ does
+    not pass through; the profiler sees both. The fused kernel runs for torchmha exactly where it
+    runs for torch (need_weights=True: without weights and masks torchmha prefers SDPA on purpose)."""
+    c = FAST_PATH_CASES[case]
+    ref, ours = mha_pair(8, c.get("heads", 2), dtype=torch.float32, batch_first=c.get("batch_first", True))
+    x = torch.randn(2, 5, 8)
+    key = torch.randn(2, 5, 8) if c.get("cross") else x
+    mask = torch.zeros(2, 5, dtype=torch.float32 if c.get("float_mask") else torch.bool) if (
+        c.get("mask") or c.get("float_mask")) else None
+    fused = []
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(c.get("switch", True))
+    try:
+        for m in (ref, ours):
+            m.train(c.get("training", False))
+            with torch.set_grad_enabled(c.get("grad", False)), torch.profiler.profile() as prof:
+                m(x, key, key, key_padding_mask=mask, need_weights=True)
+            fused.append(any(e.name == "aten::_native_multi_head_attention" for e in prof.events()))
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
+    assert fused[1] == fused[0], f"torch fused: {fused[0]}, torchmha fused: {fused[1]}"
+    assert fused[0] == (case in ("eval, batch_first, self-attention", "with a bool padding mask"))
