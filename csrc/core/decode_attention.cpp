@@ -108,6 +108,18 @@ StepLengths checked_lengths(const Tensor& lengths, const Tensor& new_lengths, in
   return s;
 }
 
+// The instruction sets the kernel is built for (decode_kernel.h); on an older CPU the ATen
+// composition runs instead.
+enum class Capability { kNone, kAvx2, kAvx512 };
+
+Capability cpu_capability() {
+  static const Capability capability = [] {
+    const std::string name = at::get_cpu_capability();
+    return name == "AVX512" ? Capability::kAvx512 : name == "AVX2" ? Capability::kAvx2 : Capability::kNone;
+  }();
+  return capability;
+}
+
 template <typename scalar_t>
 void decode_attention_kernel(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                              const Tensor& v_cache, const StepLengths& lengths, const OptionalTensor& padding,
@@ -121,23 +133,16 @@ void decode_attention_kernel(const Tensor& q, const Tensor& k_new, const Tensor&
       is_present(padding) ? padding->stride(0) : 0, is_present(padding) ? padding->size(1) : 0,
       lengths.before.data(), lengths.added.data(), H, q.size(2), k_cache.size(2), D,
       scalar_t(1) / std::sqrt(scalar_t(D))};
-  at::parallel_for(0, q.size(0) * H, 1, [&](int64_t begin, int64_t end) { kernel::decode_heads(problem, begin, end); });
+  const bool avx512 = cpu_capability() == Capability::kAvx512;
+  at::parallel_for(0, q.size(0) * H, 1, [&](int64_t begin, int64_t end) {
+    avx512 ? kernel::avx512::decode_heads(problem, begin, end) : kernel::avx2::decode_heads(problem, begin, end);
+  });
 }
 
-// The kernel is built for AVX2 (decode_kernel.h): on an older CPU the composition runs instead.
-bool cpu_has_avx2() {
-  static const bool has = [] {
-    const std::string capability = at::get_cpu_capability();
-    return capability == "AVX2" || capability == "AVX512";
-  }();
-  return has;
-}
-
-// The kernel reads rows with unit stride along D, and whole caches and padding rows contiguously.
 bool kernel_applies(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                     const Tensor& v_cache, const OptionalTensor& padding, double dropout_p) {
   const auto dtype = q.scalar_type();
-  if (!cpu_has_avx2() || dropout_p > 0.0 || (dtype != at::kFloat && dtype != at::kDouble)) {
+  if (cpu_capability() == Capability::kNone || dropout_p > 0.0 || (dtype != at::kFloat && dtype != at::kDouble)) {
     return false;
   }
   for (const Tensor* t : {&k_new, &v_new, &k_cache, &v_cache}) {

@@ -1,10 +1,11 @@
 #pragma once
 
 // The inner loop of torchmha's CPU decode kernel (decode_attention.cpp), on raw pointers. It is
-// compiled on its own with AVX2/FMA (decode_kernel.cpp; CMakeLists.txt sets the flags), so at::vec
-// is vectorized; decode_attention.cpp calls it only where the CPU has AVX2 (else the ATen
-// composition runs). This header includes nothing of ATen's, so no inline function compiled with
-// AVX2 can be shared with the rest of the library.
+// compiled twice, for AVX2/FMA and for AVX-512 (decode_kernel_avx2.cpp, decode_kernel_avx512.cpp
+// with decode_kernel_impl.h; CMakeLists.txt sets the flags), so at::vec is vectorized;
+// decode_attention.cpp picks the copy the CPU runs (else the ATen composition runs). This header
+// includes nothing of ATen's, so no inline function compiled for those sets can be shared with
+// the rest of the library.
 
 #include <cstdint>
 
@@ -25,7 +26,13 @@ struct DecodeProblem {
 };
 
 /// Runs (sequence, head) pairs [begin, end) of `p`: writes their new rows, then attends.
+namespace avx2 {
 void decode_heads(const DecodeProblem<float>& p, int64_t begin, int64_t end);
 void decode_heads(const DecodeProblem<double>& p, int64_t begin, int64_t end);
+}  // namespace avx2
+namespace avx512 {
+void decode_heads(const DecodeProblem<float>& p, int64_t begin, int64_t end);
+void decode_heads(const DecodeProblem<double>& p, int64_t begin, int64_t end);
+}  // namespace avx512
 
 }  // namespace torchmha::core::kernel

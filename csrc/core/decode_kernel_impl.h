@@ -1,4 +1,9 @@
-// The decode kernel's inner loop (decode_kernel.h), compiled with AVX2/FMA.
+#pragma once
+
+// The decode kernel's inner loop (decode_kernel.h), for one instruction set: included only by
+// decode_kernel_avx2.cpp and decode_kernel_avx512.cpp, which define TORCHMHA_KERNEL_ISA and are
+// compiled with that set's flags (and at::vec's matching CPU_CAPABILITY, so the two copies share
+// no symbol).
 
 #include "decode_kernel.h"
 
@@ -8,7 +13,7 @@
 #include <algorithm>
 #include <vector>
 
-namespace torchmha::core::kernel {
+namespace torchmha::core::kernel::TORCHMHA_KERNEL_ISA {
 namespace {
 
 template <typename scalar_t>
@@ -139,4 +144,4 @@ void decode_heads(const DecodeProblem<double>& p, int64_t begin, int64_t end) {
   run(p, begin, end);
 }
 
-}  // namespace torchmha::core::kernel
+}  // namespace torchmha::core::kernel::TORCHMHA_KERNEL_ISA
