@@ -60,7 +60,8 @@ std::tuple<Tensor, Tensor> multi_head_attention(
 
   // fused fast path
   const std::string why_not_fused = why_not_fast_path(call, weights, allow_fast_path);
-  const bool torch_fuses = why_not_fused.empty();
+  // (torch names no reason for a missing in_proj_bias, but does not fuse without it either)
+  const bool torch_fuses = why_not_fused.empty() && is_present(weights.in_proj.packed_bias);
   if (torch_fuses && !sdpa_beats_fast_path(call)) {
     return fused_forward(call, weights, embed_dim);
   }

@@ -732,3 +732,17 @@ def test_fused_kernel_runs_exactly_where_torchs_does(case):
         torch.backends.mha.set_fastpath_enabled(enabled)
     assert fused[1] == fused[0], f"torch fused: {fused[0]}, torchmha fused: {fused[1]}"
     assert fused[0] == (case in ("eval, batch_first, self-attention", "with a bool padding mask"))
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_no_bias_stays_off_the_fused_path_as_torch(need_weights):
+    """torch's fused path needs in_proj_bias (found by the fuzzer: without it the fused call read a
+    missing bias)."""
+    ref, ours = mha_pair(8, 2, dtype=torch.float32, batch_first=True, bias=False)
+    ref.eval(), ours.eval()
+    x = torch.randn(2, 5, 8)
+    mask = torch.rand(2, 5) > 0.7
+    mask[:, 0] = False
+    with torch.no_grad():
+        assert_same_behaviour(lambda: ref(x, x, x, key_padding_mask=mask, need_weights=need_weights),
+                              lambda: ours(x, x, x, key_padding_mask=mask, need_weights=need_weights))
