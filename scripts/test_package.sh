@@ -16,9 +16,11 @@ unset TORCHMHA_BUILD_DIR  # a user's build: setup.py's own tree, tests and bench
 echo "== building the sdist and the wheel"
 "$PYTHON" -m build --sdist --no-isolation --outdir "$work/dist" . > "$work/sdist.log"
 "$PYTHON" -m pip wheel --no-build-isolation --no-deps --wheel-dir "$work/linux" . > "$work/wheel.log"
-# A manylinux tag: torch's libraries are excluded (they come with the torch wheel the pin names).
+# A manylinux tag: torch's libraries are excluded (they come with the torch wheel the pin names),
+# libgomp too: torch ships it, and one OpenMP runtime must serve both (at::parallel_for).
 "$PYTHON" -m auditwheel repair --wheel-dir "$work/dist" --exclude libtorch_python.so --exclude libtorch_cpu.so \
     --exclude libtorch.so --exclude libc10.so --exclude libtorch_cuda.so --exclude libc10_cuda.so \
+    --exclude libgomp.so.1 \
     "$work"/linux/torchmha-*.whl > "$work/auditwheel.log" 2>&1
 wheel=$(ls "$work"/dist/torchmha-*.whl)
 sdist=$(ls "$work"/dist/torchmha-*.tar.gz)

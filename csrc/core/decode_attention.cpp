@@ -120,6 +120,9 @@ Capability cpu_capability() {
   return capability;
 }
 
+// Below this many key elements (keys x heads x head size) a step runs on the calling thread.
+constexpr int64_t kSerialWork = int64_t(1) << 16;
+
 template <typename scalar_t>
 void decode_attention_kernel(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                              const Tensor& v_cache, const StepLengths& lengths, const OptionalTensor& padding,
@@ -134,7 +137,14 @@ void decode_attention_kernel(const Tensor& q, const Tensor& k_new, const Tensor&
       lengths.before.data(), lengths.added.data(), H, q.size(2), k_cache.size(2), D,
       scalar_t(1) / std::sqrt(scalar_t(D))};
   const bool avx512 = cpu_capability() == Capability::kAvx512;
-  at::parallel_for(0, q.size(0) * H, 1, [&](int64_t begin, int64_t end) {
+  // A short prefix is cheaper on one thread than the cost of waking the others.
+  int64_t keys = 0;
+  for (size_t n = 0; n < lengths.before.size(); ++n) {
+    keys += lengths.before[n] + lengths.added[n];
+  }
+  const int64_t pairs = q.size(0) * H;
+  const int64_t grain = keys * H * D < kSerialWork ? pairs : 1;
+  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
     avx512 ? kernel::avx512::decode_heads(problem, begin, end) : kernel::avx2::decode_heads(problem, begin, end);
   });
 }
