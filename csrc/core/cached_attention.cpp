@@ -9,9 +9,7 @@
 
 #include <torchmha/errors.h>
 
-#include <ATen/ATen.h>  // tensor operators (<, &, +) on index tensors
-#include <ATen/ops/arange.h>
-#include <ATen/ops/full.h>
+#include <ATen/ATen.h>  // the ops and the tensor operators (<, &, +) on index tensors
 
 namespace torchmha::core {
 namespace {

@@ -4,17 +4,11 @@
 
 #include "decode_kernel.h"
 
+#include <ATen/ATen.h>  // the ops and the tensor operators (<, &, +) on index tensors
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Version.h>
-#include <ATen/ops/_assert_async.h>
-#include <ATen/ATen.h>  // tensor operators (<, &, +) on index tensors
-#include <ATen/ops/arange.h>
-#include <ATen/ops/constant_pad_nd.h>
-#include <ATen/ops/scaled_dot_product_attention.h>
-#include <ATen/ops/where.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
 #include <limits>
@@ -63,7 +57,14 @@ Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Te
                                   const Tensor& v_cache, const Tensor& lengths, const Tensor& new_lengths,
                                   const OptionalTensor& padding, double dropout_p) {
   const int64_t N = k_cache.size(0), M = k_cache.size(2), T = q.size(2);
-  at::_assert_async(((lengths + new_lengths) <= M).all(), "decode_attention: the key/value cache is full");
+  // The CPU kernel checks these with the numbers; here (any device, no host sync) as assertions.
+  at::_assert_async(((new_lengths >= 0) & (new_lengths <= T)).all(),
+                    "decode_attention: new_lengths must be in [0, T] (the query's length)");
+  at::_assert_async(((lengths >= 0) & (lengths + new_lengths <= M)).all(), "decode_attention: the key/value cache is full");
+  if (is_present(padding)) {
+    at::_assert_async((lengths + new_lengths).le(c10::Scalar(padding->sym_size(1))).all(),  // S may be symbolic
+                      "decode_attention: key_padding_mask does not cover every filled cache position");
+  }
   write_rows(k_cache, k_new, lengths, new_lengths);
   write_rows(v_cache, v_new, lengths, new_lengths);
 
