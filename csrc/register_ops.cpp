@@ -10,6 +10,7 @@
 #include <torchmha/functional.h>
 
 #include "core/decode_attention.h"
+#include "core/explicit_attention.h"
 
 #include <torch/library.h>
 
@@ -49,6 +50,9 @@ TORCH_LIBRARY(torchmha, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor lengths, Tensor new_lengths, Tensor? padding, float dropout_p) -> Tensor");
+  // The attention with weights inside multi_head_attention_forward, where no gradient or dropout
+  // is needed: a kernel per device (explicit_attention.h).
+  m.def("attention_with_weights(Tensor q, Tensor k, Tensor v, Tensor? mask, bool average) -> (Tensor, Tensor)");
   m.def(
       "project_key_value(Tensor key, Tensor? value, int num_heads, Tensor? in_proj_weight, Tensor? in_proj_bias, "
       "Tensor? k_proj_weight=None, Tensor? v_proj_weight=None, bool batch_first=False, Tensor? bias_k=None, "
@@ -74,12 +78,15 @@ TORCH_LIBRARY(torchmha, m) {
       TORCH_FN(torchmha::transformer_block));
 }
 
-// decode_attention: torchmha's own CPU kernel; the ATen composition on every other device and for
-// Meta/fake tensors (tracing). Decoding is inference: it has no autograd formula.
+// decode_attention and attention_with_weights: torchmha's own CPU kernels; the ATen composition
+// on every other device and for Meta/fake tensors (tracing). Both serve inference only: they have
+// no autograd formula (the core takes the differentiable composition where gradients are needed).
 TORCH_LIBRARY_IMPL(torchmha, CPU, m) {
   m.impl("decode_attention", TORCH_FN(torchmha::core::decode_attention_cpu));
+  m.impl("attention_with_weights", TORCH_FN(torchmha::core::attention_with_weights_cpu));
 }
 
 TORCH_LIBRARY_IMPL(torchmha, CompositeExplicitAutograd, m) {
   m.impl("decode_attention", TORCH_FN(torchmha::core::decode_attention_reference));
+  m.impl("attention_with_weights", TORCH_FN(torchmha::core::attention_with_weights_reference));
 }

@@ -2,19 +2,17 @@
 
 #include "attend.h"
 
+#include "explicit_attention.h"
 #include "in_projection.h"
 
 #include <ATen/TensorOperators.h>
+#include <ATen/TensorSubclassLikeUtils.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/arange.h>
-#include <ATen/ops/baddbmm.h>
-#include <ATen/ops/bmm.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
-#include <ATen/ops/dropout.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
-#include <ATen/ops/softmax.h>
 #include <ATen/ops/zeros_like.h>
 
 #include <cmath>
@@ -80,29 +78,31 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalT
   return at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal);
 }
 
+namespace {
+
+// No gradient (reverse or forward mode) is recorded through these tensors, and none is wrapped
+// by a function transform (vmap, jvp) or seen by a dispatch mode: an op without an autograd
+// formula or batching rule may run on them.
+bool plain_inference(std::initializer_list<Tensor> tensors) {
+  for (const Tensor& t : tensors) {
+    if (t.defined() && ((at::GradMode::is_enabled() && t.requires_grad()) || t._fw_grad(/*level=*/0).defined() ||
+                        at::isTensorSubclassLike(t))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 std::pair<Tensor, Tensor> attend_with_weights(const Tensor& q, const Tensor& k, const Tensor& v,
-                                              const OptionalTensor& mask, double dropout_p) {
-  // bmm over the N*H heads (reshape copies strided heads once; 4-D matmul would add more ops).
-  // The 1/sqrt(D) scale is the GEMM's alpha rather than a pass over q (torch scales q; the two
-  // agree to rounding, exactly when D is a power of 4). beta = 0 ignores the input, so a
-  // zero-stride placeholder serves.
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  auto ignored_input = at::empty({1, 1, 1}, q.options()).expand({N * H, L, S});
-  auto scores = at::baddbmm(ignored_input, q.reshape({N * H, L, D}), k.reshape({N * H, S, D}).transpose(1, 2),
-                            /*beta=*/0, /*alpha=*/scale)
-                    .view({N, H, L, S});
-  // In place on the GEMM's fresh output (its backward reads only its inputs): spares an
-  // N*H*L*S allocation.
-  if (is_present(mask)) {
-    scores.add_(*mask);
+                                              const OptionalTensor& mask, double dropout_p, bool average) {
+  // The op has no autograd formula and draws no dropout: where either is needed, or under a
+  // function transform, the composition.
+  if (dropout_p > 0.0 || !plain_inference({q, k, v, is_present(mask) ? *mask : Tensor()})) {
+    return attention_with_weights_composition(q, k, v, mask, dropout_p, average);
   }
-  auto weights = at::softmax(scores, -1);
-  if (dropout_p > 0.0) {
-    weights = at::dropout(weights, dropout_p, /*train=*/true);
-  }
-  auto output = at::bmm(weights.reshape({N * H, L, S}), v.reshape({N * H, S, D})).view({N, H, L, D});
-  return {output, weights};
+  return attention_with_weights(q, k, v, mask, average);
 }
 
 Tensor project_output(const Tensor& heads, const AttentionWeights& weights, bool batch_first, bool contiguous) {

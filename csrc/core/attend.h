@@ -37,9 +37,10 @@ KeysValues append_extra_key_positions(KeysValues kv, const AttentionWeights& wei
 /// are never materialized. `is_causal` is SDPA's (top-left aligned).
 Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask, double dropout_p,
               bool is_causal = false);
-/// The same with explicit weights, which are part of the result: {output heads, weights (N, H, L, S)}.
+/// The same with explicit weights, which are part of the result: {output heads, weights}, the
+/// weights (N, L, S) averaged over the heads or (N, H, L, S) (explicit_attention.h).
 std::pair<Tensor, Tensor> attend_with_weights(const Tensor& q, const Tensor& k, const Tensor& v,
-                                              const OptionalTensor& mask, double dropout_p);
+                                              const OptionalTensor& mask, double dropout_p, bool average);
 
 // ---- output projection
 

@@ -2,12 +2,12 @@
 
 #include "decode_attention.h"
 
+#include "cpu_capability.h"
 #include "decode_kernel.h"
 
 #include <ATen/ATen.h>  // the ops and the tensor operators (<, &, +) on index tensors
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/Version.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
@@ -107,18 +107,6 @@ StepLengths checked_lengths(const Tensor& lengths, const Tensor& new_lengths, in
                 padding->size(1), " cache positions, but sequence ", i, " fills ", s.before[i] + s.added[i]);
   }
   return s;
-}
-
-// The instruction sets the kernel is built for (decode_kernel.h); on an older CPU the ATen
-// composition runs instead.
-enum class Capability { kNone, kAvx2, kAvx512 };
-
-Capability cpu_capability() {
-  static const Capability capability = [] {
-    const std::string name = at::get_cpu_capability();
-    return name == "AVX512" ? Capability::kAvx512 : name == "AVX2" ? Capability::kAvx2 : Capability::kNone;
-  }();
-  return capability;
 }
 
 // Below this many key elements (keys x heads x head size) a step runs on the calling thread.

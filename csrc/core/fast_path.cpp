@@ -3,6 +3,7 @@
 #include "fast_path.h"
 
 #include "attend.h"
+#include "cpu_capability.h"
 
 #include <ATen/autocast_mode.h>
 
@@ -145,6 +146,26 @@ bool sdpa_beats_fast_path(const ForwardCall& call) {
   // torch's fused path ignores.)
   return !call.need_weights && !is_present(call.key_padding_mask) && !is_present(call.attn_mask) &&
       !call.query.is_nested() && !call.is_causal;
+}
+
+bool weights_kernel_beats_fast_path(const ForwardCall& call, int64_t embed_dim, int64_t num_heads) {
+  // (benchmarks/run.py, case fast_path: the fused kernel materializes and masks the per-head
+  // weights, and its masked softmax is slower than its own slow path on CPU.)
+  const Tensor& query = call.query;
+  const auto dtype = query.scalar_type();
+  if (!call.need_weights || query.is_nested() || !query.device().is_cpu() ||
+      (dtype != at::kFloat && dtype != at::kDouble) || cpu_capability() == Capability::kNone) {
+    return false;
+  }
+  // Well-formed: (N, L, E) self-attention with masks in the shapes merge_masks expects, not
+  // causal (the fused path takes is_causal only with a mask, which it then applies as given).
+  const int64_t N = query.size(0), L = query.size(1);
+  const auto& padding = call.key_padding_mask;
+  const auto& mask = call.attn_mask;
+  return N > 0 && L > 0 && query.size(2) == embed_dim && !call.is_causal &&
+      (!is_present(padding) || padding->sizes() == at::IntArrayRef{N, L}) &&
+      (!is_present(mask) || mask->sizes() == at::IntArrayRef{L, L} ||
+       mask->sizes() == at::IntArrayRef{N * num_heads, L, L});
 }
 
 void check_fused_embedding(const ForwardCall& call, int64_t embed_dim) {

@@ -34,6 +34,10 @@ std::string why_not_fast_path(const ForwardCall& call, const AttentionWeights& w
 /// Where torch would take the fused path but SDPA gives the same numbers faster (then the output
 /// keeps the fused kernel's contiguous layout).
 bool sdpa_beats_fast_path(const ForwardCall& call);
+/// Where torch would take the fused path with weights, and torchmha's explicit-weights CPU kernel
+/// (explicit_attention.h) gives the same numbers faster: the slow path then runs it. Only for
+/// well-formed calls, so that every fault is still the fused kernel's own.
+bool weights_kernel_beats_fast_path(const ForwardCall& call, int64_t embed_dim, int64_t num_heads);
 /// The one fault the fused kernel would report for such a call (query, key and value are one
 /// batched tensor of the module's dtype, no masks), with the kernel's message.
 void check_fused_embedding(const ForwardCall& call, int64_t embed_dim);

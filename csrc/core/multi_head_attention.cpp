@@ -38,13 +38,6 @@ OptionalTensor autocast_mask(const OptionalTensor& mask, at::ScalarType dtype) {
   return mask->to(dtype);
 }
 
-// Weights as returned: averaged over heads unless asked otherwise, without N when unbatched.
-Tensor returned_weights(Tensor weights, const ForwardCall& call, const Geometry& g) {
-  if (call.average_attn_weights) {
-    weights = weights.mean(1);
-  }
-  return g.batched ? weights : weights.squeeze(0);
-}
 
 }  // namespace
 
@@ -62,7 +55,7 @@ std::tuple<Tensor, Tensor> multi_head_attention(
   const std::string why_not_fused = why_not_fast_path(call, weights, allow_fast_path);
   // (torch names no reason for a missing in_proj_bias, but does not fuse without it either)
   const bool torch_fuses = why_not_fused.empty() && is_present(weights.in_proj.packed_bias);
-  if (torch_fuses && !sdpa_beats_fast_path(call)) {
+  if (torch_fuses && !sdpa_beats_fast_path(call) && !weights_kernel_beats_fast_path(call, embed_dim, weights.num_heads)) {
     return fused_forward(call, weights, embed_dim);
   }
   TORCHMHA_CHECK_ARG(
@@ -117,8 +110,10 @@ std::tuple<Tensor, Tensor> multi_head_attention(
   const double p = call.effective_dropout();
   Tensor heads, attn_weights;
   if (call.need_weights) {
-    std::tie(heads, attn_weights) = attend_with_weights(q, kv.keys, kv.values, mask, p);
-    attn_weights = returned_weights(attn_weights, call, g);
+    std::tie(heads, attn_weights) = attend_with_weights(q, kv.keys, kv.values, mask, p, call.average_attn_weights);
+    if (!g.batched) {
+      attn_weights = attn_weights.squeeze(0);
+    }
   } else {
     heads = attend(q, kv.keys, kv.values, mask, p, /*is_causal=*/causal);
   }

@@ -62,6 +62,26 @@ TEST(MultiheadAttention, MatchesLibTorchWithWeightsAndMasks) {
   EXPECT_FALSE(none.defined());
 }
 
+// Under NoGradGuard the weights come from torchmha's explicit-weights kernel (blocks of query rows,
+// no per-head scores tensor); with gradients on, from the ATen composition: LibTorch's numbers both.
+TEST(MultiheadAttention, WeightsWithoutGradientsMatchLibTorch) {
+  torch::manual_seed(5);
+  auto ours = float64_attention(torchmha::MultiheadAttentionOptions(16, 4));
+  auto theirs = libtorch_copy(ours);
+  auto q = torch::randn({300, 2, 16}, f64());
+  auto kv = torch::randn({90, 2, 16}, f64());
+  auto kpm = torch::rand({2, 90}) < 0.3;
+  kpm.select(1, 0).fill_(false);
+  auto mask = torch::randn({300, 90}, f64());
+  for (bool average : {true, false}) {
+    auto [y_ref, w_ref] = theirs(q, kv, kv, kpm, true, mask, average);
+    torch::NoGradGuard no_grad;
+    auto [y, w] = ours(q, kv, kv, kpm, true, mask, average);
+    expect_close(y, y_ref);
+    expect_close(w, w_ref);
+  }
+}
+
 TEST(MultiheadAttention, BatchFirstUnbatchedAndCausal) {
   torch::manual_seed(5);
   torchmha::MultiheadAttention seq_first(torchmha::MultiheadAttentionOptions(8, 2));

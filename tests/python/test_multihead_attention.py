@@ -708,30 +708,37 @@ FAST_PATH_CASES = {
 }
 
 
+@pytest.mark.parametrize("need_weights", [True, False])
 @pytest.mark.parametrize("case", list(FAST_PATH_CASES))
-def test_fused_kernel_runs_exactly_where_torchs_does(case):
+def test_fused_kernel_runs_exactly_where_torchs_does(case, need_weights):
     """torch's tests mock torch._native_multi_head_attention in Python, which a call from C++ does
-    not pass through; the profiler sees both. The fused kernel runs for torchmha exactly where it
-    runs for torch (need_weights=True: without weights and masks torchmha prefers SDPA on purpose)."""
+    not pass through; the profiler sees both. Where torch runs its fused kernel, torchmha runs a
+    fused kernel too: torch's, or where it is faster with the same numbers, its own: the
+    explicit-weights kernel when the weights are returned (CPU), SDPA without weights or masks."""
     c = FAST_PATH_CASES[case]
     ref, ours = mha_pair(8, c.get("heads", 2), dtype=torch.float32, batch_first=c.get("batch_first", True))
     x = torch.randn(2, 5, 8)
     key = torch.randn(2, 5, 8) if c.get("cross") else x
-    mask = torch.zeros(2, 5, dtype=torch.float32 if c.get("float_mask") else torch.bool) if (
-        c.get("mask") or c.get("float_mask")) else None
-    fused = []
+    masked = c.get("mask") or c.get("float_mask")
+    mask = torch.zeros(2, 5, dtype=torch.float32 if c.get("float_mask") else torch.bool) if masked else None
+    ran = []
     enabled = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(c.get("switch", True))
     try:
         for m in (ref, ours):
             m.train(c.get("training", False))
             with torch.set_grad_enabled(c.get("grad", False)), torch.profiler.profile() as prof:
-                m(x, key, key, key_padding_mask=mask, need_weights=True)
-            fused.append(any(e.name == "aten::_native_multi_head_attention" for e in prof.events()))
+                m(x, key, key, key_padding_mask=mask, need_weights=need_weights)
+            ran.append({e.name for e in prof.events()})
     finally:
         torch.backends.mha.set_fastpath_enabled(enabled)
-    assert fused[1] == fused[0], f"torch fused: {fused[0]}, torchmha fused: {fused[1]}"
-    assert fused[0] == (case in ("eval, batch_first, self-attention", "with a bool padding mask"))
+    torch_fused, ours_fused = ("aten::_native_multi_head_attention" in names for names in ran)
+    assert torch_fused == (case in ("eval, batch_first, self-attention", "with a bool padding mask"))
+    if need_weights:
+        assert not ours_fused
+        assert not torch_fused or "torchmha::attention_with_weights" in ran[1], sorted(ran[1])
+    else:
+        assert ours_fused == (torch_fused and bool(masked)), f"torch fused: {torch_fused}, torchmha fused: {ours_fused}"
 
 
 @pytest.mark.parametrize("need_weights", [False, True])

@@ -69,6 +69,12 @@ def sample_inputs():
         (ops.multi_head_attention_forward.default,
          (q.transpose(0, 1), kv.transpose(0, 1), kv.transpose(0, 1), E, 2, w, b, None, None, True, 0.0, ow, ob),
          dict(need_weights=False, attn_mask=mask, batch_first=True)),
+        # the explicit-weights kernel (inference only: no input requires grad); q (N, H, L, D) strided
+        (ops.attention_with_weights.default,
+         (q.detach().view(3, 2, 2, 4).permute(1, 2, 0, 3), *(kv.detach().view(4, 2, 2, 4).permute(1, 2, 0, 3),) * 2,
+          mask.view(1, 1, 3, 4), True), {}),
+        (ops.attention_with_weights.default,
+         (*(torch.randn(2, 2, 3, 4, dtype=torch.float32) for _ in range(3)), None, False), {}),
     ]
 
 

@@ -1,0 +1,135 @@
+"""torchmha's explicit-weights kernel (csrc/core/explicit_attention.cpp): where the weights are
+returned and no gradient or dropout is needed (eval, no_grad, inference_mode), the attention runs
+through blocks of query rows without the (N, H, L, S) scores. Its results against torch's module,
+odd sizes and every kind of mask, and the proof that it runs, and only there."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from helpers import assert_close, mha_pair
+
+HEAD_DIMS = (1, 3, 7, 8, 16, 80, 128)
+MASKS = ("none", "bool attn_mask", "float attn_mask", "3-D attn_mask", "padding", "padding and attn_mask",
+         "a fully masked row")
+
+
+def make_masks(kind, N, H, L, S, dtype):
+    """(attn_mask, key_padding_mask) of one kind; only 'a fully masked row' hides every key of a query."""
+    attn = padding = None
+    if kind in ("bool attn_mask", "padding and attn_mask"):
+        attn = torch.rand(L, S) < 0.3
+        attn[:, 0] = False
+    if kind == "float attn_mask":
+        attn = torch.randn(L, S, dtype=dtype)
+    if kind == "3-D attn_mask":
+        attn = torch.randn(N * H, L, S, dtype=dtype)
+    if kind in ("padding", "padding and attn_mask"):
+        padding = torch.rand(N, S) < 0.3
+        padding[:, 0] = False
+    if kind == "a fully masked row":
+        attn = torch.zeros(L, S, dtype=torch.bool)
+        attn[L // 2] = True
+    return attn, padding
+
+
+@st.composite
+def cases(draw):
+    H = draw(st.integers(1, 4))
+    return dict(
+        N=draw(st.integers(1, 3)), H=H, D=draw(st.sampled_from(HEAD_DIMS)), L=draw(st.integers(1, 40)),
+        S=draw(st.integers(1, 40)), dtype=draw(st.sampled_from([torch.float64, torch.float32])),
+        average=draw(st.booleans()), batch_first=draw(st.booleans()), mask=draw(st.sampled_from(MASKS)),
+        self_attention=draw(st.booleans()),
+    )
+
+
+def run_both(c, seed=0):
+    """Torch's module and ours on the same weights and inputs, eval and no_grad: (expected, got)."""
+    N, H, L, S, E, dtype = c["N"], c["H"], c["L"], c["S"], c["H"] * c["D"], c["dtype"]
+    if c.get("self_attention"):
+        S = L
+    ref, ours = mha_pair(E, H, dtype=dtype, batch_first=c["batch_first"], seed=seed)
+    ref.eval(), ours.eval()
+    query = torch.randn(N, L, E, dtype=dtype)
+    key = query if c.get("self_attention") else torch.randn(N, S, E, dtype=dtype)
+    if not c["batch_first"]:
+        query, key = query.transpose(0, 1), key.transpose(0, 1)
+    attn, padding = make_masks(c["mask"], N, H, L, S, dtype)
+    kwargs = dict(attn_mask=attn, key_padding_mask=padding, average_attn_weights=c["average"])
+    with torch.no_grad():
+        return ref(query, key, key, **kwargs), ours(query, key, key, **kwargs)
+
+
+@given(cases())
+def test_matches_torch(c):
+    (expected_out, expected_w), (out, w) = run_both(c)
+    assert_close(out, expected_out, c["dtype"], "output")
+    assert_close(w, expected_w, c["dtype"], "weights")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("average", [True, False])
+def test_many_row_blocks_on_every_thread(dtype, average):
+    """Long enough for many blocks of rows per sequence (the block holds about 256 KiB of
+    scores), split over the threads, with a mask that differs per sequence and per row."""
+    c = dict(N=3, H=4, D=16, L=300, S=1500, dtype=dtype, average=average, batch_first=False,
+             mask="padding and attn_mask")
+    (expected_out, expected_w), (out, w) = run_both(c)
+    assert_close(out, expected_out, dtype, "output")
+    assert_close(w, expected_w, dtype, "weights")
+
+
+# The kernel's inner loop is built for AVX2 and AVX-512; elsewhere the composition runs.
+needs_the_kernel = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                                      reason="the CPU runs the ATen composition")
+
+
+def profiled(module, x, **kwargs):
+    """The op names one forward runs, and the most memory any one of them kept allocated."""
+    with torch.profiler.profile(profile_memory=True) as prof:
+        module(x, x, x, **kwargs)
+    events = prof.events()
+    return {e.name for e in events}, max(e.cpu_memory_usage for e in events)
+
+
+@needs_the_kernel
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "eval, parameters frozen"])
+def test_runs_without_the_per_head_scores(mode):
+    N, H, L, E = 2, 4, 96, 32
+    _, ours = mha_pair(E, H, batch_first=True)
+    ours.eval()
+    x = torch.randn(N, L, E, dtype=torch.float64)
+    if mode == "eval, parameters frozen":
+        ours.requires_grad_(False)
+    context = {"no_grad": torch.no_grad(), "inference_mode": torch.inference_mode()}.get(mode, torch.enable_grad())
+    with context:
+        names, most_memory = profiled(ours, x)
+    assert "torchmha::attention_with_weights" in names
+    assert "aten::softmax" not in names and "aten::_softmax" not in names
+    assert most_memory < N * H * L * L * 8, f"{most_memory} bytes, the per-head scores are {N * H * L * L * 8}"
+
+
+@pytest.mark.parametrize("why", ["gradients", "dropout", "forward-mode AD"])
+def test_the_differentiable_composition_where_gradients_or_dropout_are_needed(why):
+    """The kernel has no autograd formula and draws no dropout: those calls take the composition
+    (whose gradients and dropout draws are torch's, tested elsewhere)."""
+    E, H = 16, 4
+    _, ours = mha_pair(E, H, dropout=0.5 if why == "dropout" else 0.0)
+    ours.train(why == "dropout")
+    x = torch.randn(5, 2, E, dtype=torch.float64)
+    if why == "forward-mode AD":
+        import torch.autograd.forward_ad as fwAD
+
+        with torch.no_grad(), fwAD.dual_level():
+            dual = fwAD.make_dual(x, torch.randn_like(x))
+            with torch.profiler.profile() as prof:
+                out, _ = ours(dual, dual, dual)
+            assert fwAD.unpack_dual(out).tangent is not None
+        names = {e.name for e in prof.events()}
+    else:
+        with torch.set_grad_enabled(why == "gradients"):
+            names, _ = profiled(ours, x)
+    assert "torchmha::attention_with_weights" not in names
+    assert "aten::softmax" in names
