@@ -10,12 +10,13 @@
 
 from ._checkpoint import LoadPlanner, SavePlanner
 from ._context_parallel import ContextParallelAttention
-from ._head_parallel import HeadParallelMultiheadAttention, parallelize_heads
+from ._head_parallel import HeadParallelMultiheadAttention, fsdp_shard_placement, parallelize_heads
 
 __all__ = [
     "ContextParallelAttention",
     "HeadParallelMultiheadAttention",
     "LoadPlanner",
     "SavePlanner",
+    "fsdp_shard_placement",
     "parallelize_heads",
 ]

@@ -172,3 +172,14 @@ def parallelize_heads(module: nn.Module, mesh_or_group: MeshOrGroup = None) -> n
     for mha in modules:
         _parallelize_one(mha, as_mesh(mesh_or_group, mha.out_proj.weight.device.type))
     return module
+
+
+def fsdp_shard_placement(param: nn.Parameter) -> Optional[Shard]:
+    """For FSDP2's ``fully_shard(..., shard_placement_fn=fsdp_shard_placement)`` on a 2-D mesh with
+    head parallelism on the other dimension: FSDP2 shards the columns (dim 1) of a head-parallel
+    in_proj_weight, whose rows are already a strided shard (three blocks) over the heads; FSDP2's
+    default, dim 0 again, nests two strided shards, which DTensor's full_tensor() does not undo
+    correctly in torch 2.13. Every other parameter: FSDP2's default (None)."""
+    if isinstance(param, DTensor) and param.dim() == 2 and any(isinstance(p, _StridedShard) for p in param.placements):
+        return Shard(1)
+    return None
