@@ -281,3 +281,81 @@ def _fsdp2_with_head_parallel(rank, world_size):
 
 def test_head_parallel_with_fsdp2_on_a_2x2_mesh():
     _spawn(_fsdp2_with_head_parallel, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallel
+
+
+def _context_parallel_parity(rank, world_size, count):
+    rng = random.Random(10 + world_size)
+    for i in range(count):
+        dtype = rng.choice([torch.float64, torch.float32])
+        heads = rng.choice([1, 2, 4])
+        embed = heads * rng.choice([2, 4])
+        causal = i % 2 == 1
+        local = rng.choice([2, 4, 6]) if causal else rng.randint(1, 5)
+        batch = rng.choice([1, 2])
+        padding_kind = rng.choice([None, "bool", "float"])
+        torch.manual_seed(20 + i)
+        reference = nn.MultiheadAttention(embed, heads, bias=rng.random() < 0.8, batch_first=True, dtype=dtype)
+        module = torchmha.distributed.ContextParallelAttention(copy.deepcopy(reference))
+        length = local * world_size
+        x = torch.randn(batch, length, embed, dtype=dtype, requires_grad=True)
+        padding = None
+        if padding_kind:
+            padding = torch.rand(batch, length) < 0.3
+            padding[:, 0] = False  # every query keeps a key (causal: key 0)
+            if padding_kind == "float":
+                padding = padding.to(dtype) * -1e4 + torch.rand(batch, length, dtype=dtype)
+        mask = nn.Transformer.generate_square_subsequent_mask(length, dtype=dtype) if causal else None
+        if causal and padding_kind == "bool":
+            mask = mask.isinf()
+        expected = reference(x, x, x, key_padding_mask=padding, attn_mask=mask, need_weights=False, is_causal=causal)[0]
+        rows = slice(rank * local, (rank + 1) * local)
+        x_local = x.detach()[:, rows].clone().requires_grad_()
+        actual = module(x_local, key_padding_mask=None if padding is None else padding[:, rows], is_causal=causal)
+        what = f"rank {rank}/{world_size} config {i}: {dtype}, heads {heads}, E {embed}, L {length}, N {batch}, causal {causal}, padding {padding_kind}"
+        _close(actual, expected[:, rows], dtype, f"output, {what}")
+        target = torch.randn_like(expected)
+        expected_grads = torch.autograd.grad((expected * target).sum(), [x, *reference.parameters()])
+        grads = torch.autograd.grad((actual * target[:, rows]).sum(), [x_local, *module.parameters()])
+        _close(grads[0], expected_grads[0][:, rows], dtype, f"grad x, {what}")
+        for (name, _), g, e in zip(reference.named_parameters(), grads[1:], expected_grads[1:]):
+            g = g.contiguous()
+            dist.all_reduce(g)  # each rank's part of the parameter gradient
+            _close(g, e, dtype, f"grad {name}, {what}")
+
+
+def test_context_parallel_matches_single_process_on_2():
+    _spawn(_context_parallel_parity, 2, 16)
+
+
+def test_context_parallel_matches_single_process_on_4():
+    _spawn(_context_parallel_parity, 4, 8)
+
+
+def _bad_input(rank, world_size):
+    module = torchmha.distributed.ContextParallelAttention(nn.MultiheadAttention(4, 2, batch_first=True))
+    with pytest.raises(ValueError, match=r"same batch size and slice length L/P on every rank.*\(1, 3\).*\(1, 2\)"):
+        module(torch.randn(1, 3 - rank, 4))
+    with pytest.raises(ValueError, match=r"L/P must be even"):
+        module(torch.randn(1, 3, 4), is_causal=True)
+
+
+def test_context_parallel_rejects_bad_slices():
+    _spawn(_bad_input, 2)
+
+
+def _one_rank_raises(rank, world_size):
+    module = torchmha.distributed.ContextParallelAttention(nn.MultiheadAttention(4, 2, batch_first=True))
+    if rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    module(torch.randn(1, 2, 4))  # rank 0 waits in the ring for rank 1, which never comes
+
+
+def test_a_raising_rank_fails_the_test_instead_of_hanging():
+    start = time.monotonic()
+    with pytest.raises(Exception, match="rank 1 fails on purpose"):
+        _spawn(_one_rank_raises, 2)
+    assert time.monotonic() - start < JOIN_TIMEOUT_S
