@@ -356,6 +356,8 @@ def _one_rank_raises(rank, world_size):
 
 def test_a_raising_rank_fails_the_test_instead_of_hanging():
     start = time.monotonic()
-    with pytest.raises(Exception, match="rank 1 fails on purpose"):
+    # Whichever rank exits first is reported: rank 1's own error, or rank 0's collective failing
+    # because its peer is gone (gloo notices the closed connection; otherwise the 30 s timeout).
+    with pytest.raises(Exception, match="rank 1 fails on purpose|Connection closed by peer|timed out|Timed out"):
         _spawn(_one_rank_raises, 2)
     assert time.monotonic() - start < JOIN_TIMEOUT_S

@@ -10,6 +10,8 @@ DCP the matching local view, so saving writes torch's layout and loading reads f
 import dataclasses
 from typing import Any, Dict, List, Tuple
 
+from typing_extensions import TypeGuard
+
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
@@ -22,7 +24,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 Chunk = Tuple[ChunkStorageMetadata, Tuple[int, int]]  # the box, and its rows [start, end) in the local tensor
 
 
-def _is_strided(obj: Any) -> bool:
+def _is_strided(obj: Any) -> TypeGuard[DTensor]:
     return isinstance(obj, DTensor) and any(isinstance(p, _StridedShard) for p in obj.placements)
 
 

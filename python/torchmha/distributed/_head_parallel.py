@@ -9,7 +9,7 @@ inside a flattened one; full_tensor() and state_dict() keep torch's layout and n
 torchmha.distributed.SavePlanner / LoadPlanner let DCP write and read such a shard (_checkpoint.py).
 """
 
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -129,12 +129,6 @@ def _shard_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement) 
 
 
 def _parallelize_one(mha: nn.MultiheadAttention, mesh: DeviceMesh) -> None:
-    parts = mesh.size()
-    if mha.num_heads % parts != 0:
-        raise ValueError(
-            f"parallelize_heads: num_heads ({mha.num_heads}) must be divisible by the number of ranks "
-            f"in mesh_or_group ({parts}), so that each rank owns num_heads / {parts} whole heads"
-        )
     rows = _StridedShard(0, split_factor=3)  # q, k and v rows of our heads: one block per third
     _shard_parameter(mha, "in_proj_weight", mesh, rows)
     _shard_parameter(mha, "in_proj_bias", mesh, rows)
@@ -145,7 +139,7 @@ def _parallelize_one(mha: nn.MultiheadAttention, mesh: DeviceMesh) -> None:
     _shard_parameter(mha.out_proj, "weight", mesh, Shard(1))
     _shard_parameter(mha.out_proj, "bias", mesh, Replicate())
     mha.__class__ = HeadParallelMultiheadAttention
-    mha.tp_mesh = mesh
+    setattr(mha, "tp_mesh", mesh)  # noqa: B010 (the attribute of the new class)
 
 
 def parallelize_heads(module: nn.Module, mesh_or_group: MeshOrGroup = None) -> nn.Module:
@@ -160,17 +154,21 @@ def parallelize_heads(module: nn.Module, mesh_or_group: MeshOrGroup = None) -> n
     same inputs; it returns the whole output. Parameters are taken from rank 0 (distribute_tensor).
     Subclasses other than torchmha's are left alone, as in replace_multihead_attention.
     """
-    modules = [m for m in module.modules() if type(m) in (nn.MultiheadAttention, MultiheadAttention)]
-    for mha in modules:
-        device = mha.out_proj.weight.device.type
-        mesh = as_mesh(mesh_or_group, device)
-        if mha.num_heads % mesh.size() != 0:  # before anything changes
+    modules: List[nn.MultiheadAttention] = [
+        m for m in module.modules()
+        if isinstance(m, nn.MultiheadAttention) and type(m) in (nn.MultiheadAttention, MultiheadAttention)
+    ]
+    if not modules:
+        return module
+    mesh = as_mesh(mesh_or_group, modules[0].out_proj.weight.device.type)
+    for mha in modules:  # every check before anything changes
+        if mha.num_heads % mesh.size() != 0:
             raise ValueError(
                 f"parallelize_heads: num_heads ({mha.num_heads}) must be divisible by the number of ranks "
-                f"in mesh_or_group ({mesh.size()}), so that each rank owns whole heads"
+                f"in mesh_or_group ({mesh.size()}), so that each rank owns num_heads / {mesh.size()} whole heads"
             )
     for mha in modules:
-        _parallelize_one(mha, as_mesh(mesh_or_group, mha.out_proj.weight.device.type))
+        _parallelize_one(mha, mesh)
     return module
 
 
