@@ -31,19 +31,25 @@ Pair = Tuple[slice, slice, str]  # query rows, key rows, "full" or "diagonal" (c
 # CPU: ATen's flash kernel, which returns the log-sum-exp and takes it back in backward (float64
 # too). On CUDA, _scaled_dot_product_efficient_attention returns one as well and would plug in here.
 
-def _block_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float) -> Tuple[Tensor, Tensor]:
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+def _block_forward(
+    q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], causal: bool, scale: float
+) -> Tuple[Tensor, Tensor]:
+    """bias: the keys' additive padding (N, 1, 1, S) or None; causal: the kernel's own causal mask
+    (never materialised: a block's (L/2P)^2 mask would break per-rank memory O(L/P))."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
     if bias is not None:  # the kernel reports lse 0 for a row with every key masked; merging needs -inf
-        dead = torch.isneginf(bias).all(-1).expand(lse.shape)
-        lse = lse.masked_fill(dead, float("-inf"))
+        masked = torch.isneginf(bias[..., 0, :])  # (N, 1, S)
+        dead = masked.cumprod(-1).bool() if causal else masked.all(-1, keepdim=True)  # row i: keys <= i, or all
+        lse = lse.masked_fill(dead.expand(lse.shape), float("-inf"))
     return out, lse
 
 
 def _block_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bias: Optional[Tensor], scale: float
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bias: Optional[Tensor], causal: bool,
+    scale: float,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
     )
 
 
@@ -94,13 +100,9 @@ def _pairs(rank: int, source: int, size: int, length: int, causal: bool) -> List
     return pairs
 
 
-def _bias(padding: Optional[Tensor], keys: slice, kind: str, rows: int, dtype: torch.dtype) -> Optional[Tensor]:
-    """The additive mask of one block: the keys' padding (N, 1, 1, S) and, on the diagonal, causal."""
-    bias = None if padding is None else padding[:, keys][:, None, None, :]
-    if kind == "diagonal":
-        causal = torch.full((rows, rows), float("-inf"), dtype=dtype).triu(1)
-        bias = causal if bias is None else bias + causal
-    return bias
+def _bias(padding: Optional[Tensor], keys: slice) -> Optional[Tensor]:
+    """The additive mask of one block: the keys' padding, (N, 1, 1, S)."""
+    return None if padding is None else padding[:, keys][:, None, None, :]
 
 
 def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> Tuple[Tensor, Tensor]:
@@ -126,8 +128,9 @@ class _RingAttention(torch.autograd.Function):
                 incoming, requests = _pass_on(group, block, rank, size)
             source = (rank - step) % size
             for rows, keys, kind in _pairs(rank, source, size, length, causal):
-                bias = _bias(block[2] if padding is not None else None, keys, kind, rows.stop - rows.start, q.dtype)
-                o, l = _block_forward(q[:, :, rows], block[0][:, :, keys], block[1][:, :, keys], bias, scale)
+                bias = _bias(block[2] if padding is not None else None, keys)
+                o, l = _block_forward(q[:, :, rows], block[0][:, :, keys], block[1][:, :, keys], bias,
+                                      kind == "diagonal", scale)
                 out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], o, l)
             _wait(requests)
             if step < size - 1:
@@ -152,10 +155,10 @@ class _RingAttention(torch.autograd.Function):
                 incoming, requests = _pass_on(group, block, rank, size)
             source = (rank - step) % size
             for rows, keys, kind in _pairs(rank, source, size, length, causal):
-                bias = _bias(block[2] if padding is not None else None, keys, kind, rows.stop - rows.start, q.dtype)
+                bias = _bias(block[2] if padding is not None else None, keys)
                 dq_b, dk_b, dv_b = _block_backward(
                     dout[:, :, rows], q[:, :, rows], block[0][:, :, keys], block[1][:, :, keys],
-                    out[:, :, rows], lse[:, :, rows].contiguous(), bias, scale,
+                    out[:, :, rows], lse[:, :, rows].contiguous(), bias, kind == "diagonal", scale,
                 )
                 dq[:, :, rows] += dq_b
                 grads[0][:, :, keys] += dk_b
