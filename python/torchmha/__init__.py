@@ -10,7 +10,7 @@ The compute is in the C++ extension (torch.ops.torchmha.*); the classes here are
 torch.nn.Modules that own their parameters and call it.
 """
 
-import torch  # noqa: F401  (loads libtorch before the extension that links it)
+import torch  # loads libtorch before the extension that links it
 
 from ._build import build_info, check_torch
 
@@ -24,6 +24,9 @@ from .multihead_attention import MultiheadAttention, replace_multihead_attention
 from .plotting import plot_attention, plot_module_attention
 from .transformer_block import TransformerBlock
 from .versions import MultiheadAttentionV1, MultiheadAttentionV2, MultiheadAttentionV3, MultiheadAttentionV4
+
+if torch.distributed.is_available():  # torch builds without distributed support lack DTensor
+    from . import distributed  # noqa: F401
 
 __version__: str = _C.__version__  # from the repository's VERSION file, through CMake
 
