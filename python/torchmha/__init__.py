@@ -10,7 +10,9 @@ The compute is in the C++ extension (torch.ops.torchmha.*); the classes here are
 torch.nn.Modules that own their parameters and call it.
 """
 
-import torch  # loads libtorch before the extension that links it
+from typing import TYPE_CHECKING
+
+import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from ._build import build_info, check_torch
 
@@ -25,8 +27,20 @@ from .plotting import plot_attention, plot_module_attention
 from .transformer_block import TransformerBlock
 from .versions import MultiheadAttentionV1, MultiheadAttentionV2, MultiheadAttentionV3, MultiheadAttentionV4
 
-if torch.distributed.is_available():  # torch builds without distributed support lack DTensor
-    from . import distributed  # noqa: F401
+
+if TYPE_CHECKING:
+    from . import distributed as distributed
+
+
+def __getattr__(name: str) -> object:
+    # torchmha.distributed imports DTensor and DCP, which most programs never use: loaded on first
+    # access (import torchmha.distributed, or the attribute).
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __version__: str = _C.__version__  # from the repository's VERSION file, through CMake
 
