@@ -185,3 +185,26 @@ def test_gradient_reaches_a_float_attn_mask():
             grads.append(torch.autograd.grad((out * upstream).sum(), mask)[0])
         assert grads[1].abs().sum() > 0
         assert_close(grads[1], grads[0], torch.float64, f"need_weights={need_weights}")
+
+
+def test_the_avx2_copies_of_the_cpu_kernels_match_torch():
+    """The CPU kernels' inner loops are built for AVX2 and AVX-512, and a CPU runs one copy
+    (cpu_capability.h follows ATen's choice): with ATen held to AVX2, a child process runs the
+    other copy through parity tests of both kernels."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("this CPU runs the AVX2 copy (or neither) in every test already")
+    here = Path(__file__).parent
+    tests = [f"{here / 'test_explicit_attention.py'}::test_many_row_blocks_on_every_thread",
+             f"{here / 'test_kv_cache.py'}::test_sequences_at_different_positions_equal_torch_alone"]
+    check = "import torch; assert torch.backends.cpu.get_cpu_capability() == 'AVX2'"
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    subprocess.run([sys.executable, "-c", check], env=env, check=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-1000:]
