@@ -15,6 +15,7 @@
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/zeros_like.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -80,29 +81,36 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalT
 
 namespace {
 
-// No gradient (reverse or forward mode) is recorded through these tensors, and none is wrapped
-// by a function transform (vmap, jvp) or seen by a dispatch mode: an op without an autograd
-// formula or batching rule may run on them.
-bool plain_inference(std::initializer_list<Tensor> tensors) {
-  for (const Tensor& t : tensors) {
-    if (t.defined() && ((at::GradMode::is_enabled() && t.requires_grad()) || t._fw_grad(/*level=*/0).defined() ||
-                        at::isTensorSubclassLike(t))) {
-      return false;
-    }
-  }
-  return true;
+// Forward-mode tangents, function transforms (vmap, jvp) and dispatch modes (tracing): the kernels
+// have no rules for them.
+bool transformed(std::initializer_list<Tensor> tensors) {
+  return std::any_of(tensors.begin(), tensors.end(), [](const Tensor& t) {
+    return t.defined() && (t._fw_grad(/*level=*/0).defined() || at::isTensorSubclassLike(t));
+  });
+}
+
+bool records_grad(std::initializer_list<Tensor> tensors) {
+  return at::GradMode::is_enabled() &&
+      std::any_of(tensors.begin(), tensors.end(), [](const Tensor& t) { return t.defined() && t.requires_grad(); });
 }
 
 }  // namespace
 
 std::pair<Tensor, Tensor> attend_with_weights(const Tensor& q, const Tensor& k, const Tensor& v,
                                               const OptionalTensor& mask, double dropout_p, bool average) {
-  // The op has no autograd formula and draws no dropout: where either is needed, or under a
-  // function transform, the composition.
-  if (dropout_p > 0.0 || !plain_inference({q, k, v, is_present(mask) ? *mask : Tensor()})) {
+  // The kernels draw no dropout and know no transform; a float mask that needs its gradient is
+  // left to the composition too (the kernels' backward gives none).
+  const Tensor mask_or_none = is_present(mask) ? *mask : Tensor();
+  if (dropout_p > 0.0 || transformed({q, k, v, mask_or_none}) || records_grad({mask_or_none})) {
     return attention_with_weights_composition(q, k, v, mask, dropout_p, average);
   }
-  return attention_with_weights(q, k, v, mask, average);
+  if (!records_grad({q, k, v})) {
+    return attention_with_weights(q, k, v, mask, average);  // the op: a kernel per device
+  }
+  if (explicit_kernel_applies(q, k, v, mask)) {
+    return attention_with_weights_differentiable(q, k, v, mask, average);
+  }
+  return attention_with_weights_composition(q, k, v, mask, dropout_p, average);
 }
 
 Tensor project_output(const Tensor& heads, const AttentionWeights& weights, bool batch_first, bool contiguous) {

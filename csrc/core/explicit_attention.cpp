@@ -9,6 +9,8 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <cmath>
@@ -110,6 +112,7 @@ void explicit_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v
   const int64_t heads_ld = N * H * D;  // (L, N, H, D): row l of head (n, h)
 
   at::parallel_for(0, N * blocks_per_sequence, 1, [&](int64_t begin, int64_t end) {
+    at::NoGradGuard no_grad;  // grad mode is per thread; inside autograd's forward the inputs require grad
     std::vector<scalar_t> buffer(average ? block * S : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / blocks_per_sequence, l0 = (task % blocks_per_sequence) * block;
@@ -127,6 +130,66 @@ void explicit_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v
         avx512 ? kernel::avx512::softmax_rows(step) : kernel::avx2::softmax_rows(step);
         Tensor heads_view = matrix(heads_data + (l0 * N + n) * H * D + h * D, rows, D, heads_ld, options);
         at::mm_out(heads_view, scores_view, v[n][h]);
+      }
+    }
+  });
+}
+
+// The gradients of q, k and v from those of the heads and the weights (either may be undefined:
+// zeros). Per (sequence, head), so that dK and dV accumulate over the row blocks on one thread;
+// each block recomputes its probabilities P from q, k and the mask, then
+//   dP = dO v^T + dW (dW / H for the average),  dS = P * (dP - rowsum(P * dP))  (torch's
+//   softmax backward),  dQ = scale dS k,  dK += scale dS^T q,  dV += P^T dO.
+template <typename scalar_t>
+void explicit_attention_backward_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
+                                        bool average, const Tensor& grad_heads, const Tensor& grad_weights,
+                                        const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
+  const int64_t block = std::min<int64_t>(std::clamp<int64_t>(kBlockBytes / (S * sizeof(scalar_t)), 8, 256), L);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const bool avx512 = cpu_capability() == Capability::kAvx512;
+  const auto options = q.options();
+  const bool with_heads = grad_heads.defined(), with_weights = grad_weights.defined();
+
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    at::NoGradGuard no_grad;  // (as in the forward kernel)
+    std::vector<scalar_t> probabilities(block * S), grad_probabilities(block * S), grad_scores(block * S);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t n = pair / H, h = pair % H;
+      for (int64_t l0 = 0; l0 < L; l0 += block) {
+        const int64_t rows = std::min(block, L - l0);
+        const bool first = l0 == 0;
+        const Tensor q_rows = q[n][h].narrow(0, l0, rows);
+        Tensor p = matrix(probabilities.data(), rows, S, S, options);
+        at::addmm_out(p, p, q_rows, k[n][h].t(), /*beta=*/0, scale);
+        int64_t mask_ld = 0;
+        const scalar_t* mask_row = mask_rows<scalar_t>(mask, n, h, l0, &mask_ld);
+        const kernel::SoftmaxRows<scalar_t> step{probabilities.data(), S, mask_row, mask_ld, nullptr, 0, false, 1,
+                                                 rows, S};
+        avx512 ? kernel::avx512::softmax_rows(step) : kernel::avx2::softmax_rows(step);
+
+        Tensor dp = matrix(grad_probabilities.data(), rows, S, S, options);
+        if (with_weights) {
+          const Tensor dw = average ? grad_weights[n].narrow(0, l0, rows) : grad_weights[n][h].narrow(0, l0, rows);
+          at::mul_out(dp, dw, at::Scalar(average ? 1.0 / H : 1.0));
+        }
+        if (with_heads) {
+          const Tensor d_out = grad_heads[n][h].narrow(0, l0, rows);
+          at::addmm_out(dp, dp, d_out, v[n][h].t(), /*beta=*/with_weights ? 1 : 0, 1);
+          Tensor dv_nh = dv[n][h];
+          at::addmm_out(dv_nh, dv_nh, p.t(), d_out, /*beta=*/first ? 0 : 1, 1);
+        } else if (!with_weights) {
+          dp.zero_();
+        }
+        Tensor ds = matrix(grad_scores.data(), rows, S, S, options);
+        at::_softmax_backward_data_out(ds, dp, p, 1, q.scalar_type());
+        Tensor dq_rows = dq[n][h].narrow(0, l0, rows);
+        at::addmm_out(dq_rows, dq_rows, ds, k[n][h], /*beta=*/0, scale);
+        Tensor dk_nh = dk[n][h];
+        at::addmm_out(dk_nh, dk_nh, ds.t(), q_rows, /*beta=*/first ? 0 : 1, scale);
+      }
+      if (!with_heads) {
+        dv[n][h].zero_();
       }
     }
   });
@@ -158,6 +221,82 @@ std::tuple<Tensor, Tensor> attention_with_weights_cpu(const Tensor& q, const Ten
     explicit_attention_kernel<scalar_t>(q, k, v, mask, average, heads_lnhd, weights);
   });
   return std::make_tuple(heads_lnhd.permute({1, 2, 0, 3}), weights);
+}
+
+// ------------------------------------------------------------------------------ autograd
+namespace {
+
+// The CPU kernels as one autograd node: nothing of size (N, H, L, S) is kept for backward, which
+// recomputes the probabilities block by block. Under create_graph (double backward) the
+// backward differentiates the composition instead, so higher derivatives work as in torch.
+struct ExplicitAttentionFunction : public torch::autograd::Function<ExplicitAttentionFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& q,
+                                                const Tensor& k, const Tensor& v, const OptionalTensor& mask,
+                                                bool average) {
+    // (the mask needs no gradient here: attend.cpp sends one that does to the composition)
+    ctx->save_for_backward({q, k, v});
+    // An unused output's gradient stays undefined rather than zeros: with fully masked (NaN) rows,
+    // 0 * NaN would reach dV where torch computes nothing.
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["mask"] = mask;
+    ctx->saved_data["average"] = average;
+    auto [heads, weights] = attention_with_weights(q, k, v, mask, average);
+    return {heads, weights};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &q = saved[0], &k = saved[1], &v = saved[2];
+    const OptionalTensor mask = ctx->saved_data["mask"].toOptional<Tensor>();
+    const bool average = ctx->saved_data["average"].toBool();
+    Tensor dq, dk, dv;
+    if (at::GradMode::is_enabled()) {
+      std::tie(dq, dk, dv) = composition_backward(q, k, v, mask, average, grads);
+    } else {
+      dq = at::empty_like(q, at::MemoryFormat::Contiguous);
+      dk = at::empty_like(k, at::MemoryFormat::Contiguous);
+      dv = at::empty_like(v, at::MemoryFormat::Contiguous);
+      const Tensor grad_heads = grads[0].defined() ? grads[0].contiguous() : Tensor();
+      const Tensor grad_weights = grads[1].defined() ? grads[1].contiguous() : Tensor();
+      AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_with_weights_backward", [&] {
+        explicit_attention_backward_kernel<scalar_t>(q, k, v, mask, average, grad_heads, grad_weights, dq, dk, dv);
+      });
+    }
+    return {dq, dk, dv, Tensor(), Tensor()};
+  }
+
+  // The gradients through the differentiable composition, with a graph of their own.
+  static std::tuple<Tensor, Tensor, Tensor> composition_backward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                                 const OptionalTensor& mask, bool average,
+                                                                 const torch::autograd::variable_list& grads) {
+    auto [heads, weights] = attention_with_weights_composition(q, k, v, mask, /*dropout_p=*/0.0, average);
+    torch::autograd::variable_list outputs, grad_outputs;
+    for (const auto& [output, grad] : {std::pair{heads, grads[0]}, std::pair{weights, grads[1]}}) {
+      if (grad.defined()) {
+        outputs.push_back(output);
+        grad_outputs.push_back(grad);
+      }
+    }
+    if (outputs.empty()) {
+      return {Tensor(), Tensor(), Tensor()};
+    }
+    const auto g = torch::autograd::grad(outputs, {q, k, v}, grad_outputs, /*retain_graph=*/true,
+                                         /*create_graph=*/true, /*allow_unused=*/true);
+    return {g[0], g[1], g[2]};
+  }
+};
+
+}  // namespace
+
+bool explicit_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask) {
+  return q.device().is_cpu() && kernel_applies(q, k, v, mask);
+}
+
+std::pair<Tensor, Tensor> attention_with_weights_differentiable(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                                const OptionalTensor& mask, bool average) {
+  const auto outputs = ExplicitAttentionFunction::apply(q, k, v, mask, average);
+  return {outputs[0], outputs[1]};
 }
 
 }  // namespace torchmha::core

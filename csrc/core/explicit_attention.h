@@ -6,8 +6,9 @@
 // works through blocks of query rows, one head at a time, with the block's scores in a buffer the
 // size of the block, so the (N, H, L, S) weights exist only where they are the result
 // (average=false); everywhere else (other devices and dtypes, Meta for tracing) the ATen
-// composition below. The op has no autograd formula and no dropout: the core calls it only where
-// neither is needed, and the composition otherwise (attend.cpp).
+// composition below. The op has no autograd formula and no dropout; for training the core wraps
+// the CPU kernels and their backward in one autograd node (attention_with_weights_differentiable),
+// and takes the composition where there is dropout or no kernel (attend.cpp).
 //
 // Shapes: q (N, H, L, D), k and v (N, H, S, D), strided views are fine; mask additive,
 // broadcastable to (N, H, L, S). Result: heads (N, H, L, D) and weights (N, L, S) averaged, or
@@ -28,6 +29,14 @@ std::pair<Tensor, Tensor> attention_with_weights(const Tensor& q, const Tensor& 
 std::pair<Tensor, Tensor> attention_with_weights_composition(const Tensor& q, const Tensor& k, const Tensor& v,
                                                              const OptionalTensor& mask, double dropout_p,
                                                              bool average);
+
+/// The CPU kernels forward and backward as one autograd node (nothing of size (N, H, L, S) kept
+/// for backward; double backward through the composition), where explicit_kernel_applies.
+std::pair<Tensor, Tensor> attention_with_weights_differentiable(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                                const OptionalTensor& mask, bool average);
+/// Whether the CPU kernels take these inputs (CPU, float or double, AVX2/AVX-512, a mask whose rows
+/// are contiguous).
+bool explicit_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask);
 
 /// The op's kernels: the composition without dropout (any device), and torchmha's CPU kernel
 /// (float and double on AVX2/AVX-512 CPUs; the composition otherwise).

@@ -62,9 +62,10 @@ TEST(MultiheadAttention, MatchesLibTorchWithWeightsAndMasks) {
   EXPECT_FALSE(none.defined());
 }
 
-// Under NoGradGuard the weights come from torchmha's explicit-weights kernel (blocks of query rows,
-// no per-head scores tensor); with gradients on, from the ATen composition: LibTorch's numbers both.
-TEST(MultiheadAttention, WeightsWithoutGradientsMatchLibTorch) {
+// With weights and no dropout the attention runs torchmha's explicit-weights kernels (blocks of
+// query rows, no per-head scores tensor): under NoGradGuard the forward kernel alone, in training
+// with its backward kernel as one autograd node. LibTorch's numbers and gradients both.
+TEST(MultiheadAttention, WeightsKernelsMatchLibTorchForwardAndBackward) {
   torch::manual_seed(5);
   auto ours = float64_attention(torchmha::MultiheadAttentionOptions(16, 4));
   auto theirs = libtorch_copy(ours);
@@ -79,6 +80,18 @@ TEST(MultiheadAttention, WeightsWithoutGradientsMatchLibTorch) {
     auto [y, w] = ours(q, kv, kv, kpm, true, mask, average);
     expect_close(y, y_ref);
     expect_close(w, w_ref);
+  }
+  for (bool average : {true, false}) {
+    std::vector<Tensor> grads[2];
+    for (int which = 0; which < 2; ++which) {
+      auto q_leaf = q.clone().requires_grad_(), kv_leaf = kv.clone().requires_grad_();
+      auto [y, w] = which == 0 ? theirs(q_leaf, kv_leaf, kv_leaf, kpm, true, mask, average)
+                               : ours(q_leaf, kv_leaf, kv_leaf, kpm, true, mask, average);
+      ((y * y).sum() + (w * w).sum()).backward();
+      grads[which] = {q_leaf.grad(), kv_leaf.grad()};
+    }
+    expect_close(grads[1][0], grads[0][0]);
+    expect_close(grads[1][1], grads[0][1]);
   }
 }
 

@@ -111,10 +111,73 @@ def test_runs_without_the_per_head_scores(mode):
     assert most_memory < N * H * L * L * 8, f"{most_memory} bytes, the per-head scores are {N * H * L * L * 8}"
 
 
-@pytest.mark.parametrize("why", ["gradients", "dropout", "forward-mode AD"])
-def test_the_differentiable_composition_where_gradients_or_dropout_are_needed(why):
-    """The kernel has no autograd formula and draws no dropout: those calls take the composition
-    (whose gradients and dropout draws are torch's, tested elsewhere)."""
+@st.composite
+def training_cases(draw):
+    c = draw(cases())
+    c["dtype"] = torch.float64
+    c["use"] = draw(st.sampled_from(["output and weights", "output", "weights"]))
+    return c
+
+
+@given(training_cases())
+def test_gradients_match_torch(c):
+    """In training (dropout 0) the kernels run as one autograd node whose backward recomputes the
+    probabilities block by block: the output, the weights and every gradient (inputs and
+    parameters) are torch's."""
+    N, H, L, S, E, dtype = c["N"], c["H"], c["L"], c["S"], c["H"] * c["D"], c["dtype"]
+    ref, ours = mha_pair(E, H, dtype=dtype)
+    query, key = torch.randn(L, N, E, dtype=dtype), torch.randn(S, N, E, dtype=dtype)
+    attn, padding = make_masks(c["mask"], N, H, L, S, dtype)
+    results = []
+    for module in (ref, ours):
+        q, k = query.clone().requires_grad_(), key.clone().requires_grad_()
+        out, weights = module(q, k, k, attn_mask=attn, key_padding_mask=padding, average_attn_weights=c["average"])
+        generator = torch.Generator().manual_seed(1)
+        loss = 0
+        if c["use"] != "weights":
+            loss = loss + (out * torch.randn(out.shape, dtype=dtype, generator=generator)).sum()
+        if c["use"] != "output":
+            loss = loss + (weights.nan_to_num() * torch.randn(weights.shape, dtype=dtype, generator=generator)).sum()
+        loss.backward()
+        results.append({"output": out, "weights": weights, "grad query": q.grad, "grad key": k.grad,
+                        **{f"grad {n}": p.grad for n, p in module.named_parameters() if p.grad is not None}})
+    expected, got = results
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert_close(got[name], expected[name], dtype, name)
+
+
+def test_second_derivatives_match_torch():
+    """Under create_graph the node's backward differentiates the composition, so gradients of
+    gradients (a gradient penalty) are torch's too."""
+    ref, ours = mha_pair(12, 3)
+    x = torch.randn(6, 2, 12, dtype=torch.float64)
+    results = []
+    for module in (ref, ours):
+        xx = x.clone().requires_grad_()
+        out, weights = module(xx, xx, xx)
+        (grad,) = torch.autograd.grad((out**2).sum() + (weights**2).sum(), xx, create_graph=True)
+        (second,) = torch.autograd.grad((grad**2).sum(), xx)
+        results.append((grad, second))
+    assert_close(results[1][0], results[0][0], torch.float64, "gradient")
+    assert_close(results[1][1], results[0][1], torch.float64, "second derivative")
+
+
+@needs_the_kernel
+def test_training_keeps_no_per_head_scores():
+    N, H, L, E = 2, 4, 96, 32
+    _, ours = mha_pair(E, H, batch_first=True)
+    x = torch.randn(N, L, E, dtype=torch.float64, requires_grad=True)
+    names, most_memory = profiled(ours, x)
+    assert "torchmha::attention_with_weights" in names and "aten::softmax" not in names
+    assert most_memory < N * H * L * L * 8, f"{most_memory} bytes, the per-head scores are {N * H * L * L * 8}"
+
+
+@pytest.mark.parametrize("why", ["dropout", "forward-mode AD", "a float mask that needs its gradient"])
+def test_the_composition_where_the_kernels_cannot_serve(why):
+    """The kernels draw no dropout, know no forward-mode tangent and give no gradient to the mask:
+    those calls take the composition (whose gradients and dropout draws are torch's, tested
+    elsewhere)."""
     E, H = 16, 4
     _, ours = mha_pair(E, H, dropout=0.5 if why == "dropout" else 0.0)
     ours.train(why == "dropout")
@@ -128,8 +191,10 @@ def test_the_differentiable_composition_where_gradients_or_dropout_are_needed(wh
                 out, _ = ours(dual, dual, dual)
             assert fwAD.unpack_dual(out).tangent is not None
         names = {e.name for e in prof.events()}
+    elif why == "dropout":
+        names, _ = profiled(ours, x)
     else:
-        with torch.set_grad_enabled(why == "gradients"):
-            names, _ = profiled(ours, x)
+        mask = torch.randn(5, 5, dtype=torch.float64, requires_grad=True)
+        names, _ = profiled(ours, x, attn_mask=mask)
     assert "torchmha::attention_with_weights" not in names
     assert "aten::softmax" in names
