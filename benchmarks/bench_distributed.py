@@ -41,6 +41,7 @@ def _port() -> int:
 
 def _context(rank, world, port, length, repeat, results):
     import torchmha
+    import torchmha.distributed  # noqa: F401 (loads on first access: its imports are not the run's memory)
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)

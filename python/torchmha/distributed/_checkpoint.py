@@ -1,4 +1,4 @@
-"""DCP planners for DTensors with a _StridedShard placement (head-parallel in_proj_weight/bias).
+"""DCP planners for DTensors with a _StridedShard placement (head-parallel in_proj_weight).
 
 DCP describes each rank's piece of a DTensor as one box (offset, size); a strided shard is several
 boxes (for in_proj_weight: this rank's q rows, k rows and v rows), and the default planners write it

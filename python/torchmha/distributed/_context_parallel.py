@@ -1,13 +1,15 @@
 """Context (sequence) parallelism: ContextParallelAttention, ring attention over torch.distributed.
 
-Each of P ranks holds a contiguous slice of the sequence. It projects its slice with the core's
-in_projection_packed op, then its queries attend to every rank's keys and values: the K/V blocks
+Each of P ranks holds a contiguous slice of the sequence. It projects its slice (one GEMM each for
+q, k, v, in the ring's (N, L/P, H, D) layout), then its queries attend to every rank's keys and values: the K/V blocks
 (and their padding mask) pass around the ring with asynchronous point-to-point sends
 (batch_isend_irecv), the next block in flight while the current one is attended, and the blocks'
 partial outputs merge by their log-sum-exp. Backward runs the ring again: each block's gradient
 with the global output and log-sum-exp, the block's dK/dV accumulators travelling with it and
-returning to their owner at the end. Per-rank memory is O(L/P): two K/V blocks and one block's
-scores at a time.
+returning to their owner at the end. Per-rank memory is O(L/P): forward holds q, k, v, the output
+accumulator (merged in place), the K/V block in flight and one block's output; without gradients the
+local K/V buffers take the next block once sent, so at most two K/V blocks exist. Backward saves
+q, the local k and v, the output and the log-sum-exp.
 
 Causal attention is balanced: the sequence is cut in 2P chunks and rank j attends for chunks j and
 2P-1-j (one early, one late), so every ring step costs each rank the same half block; the caller's
@@ -22,7 +24,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._ops import ops
 
 Pair = Tuple[slice, slice, str]  # query rows, key rows, "full" or "diagonal" (causal inside)
 
@@ -66,9 +67,11 @@ def _exchange(group: Optional[dist.ProcessGroup], sends: Sequence[Tuple[Tensor, 
     return dist.batch_isend_irecv(ops_) if ops_ else []
 
 
-def _pass_on(group: Optional[dist.ProcessGroup], tensors: Sequence[Tensor], rank: int, size: int) -> Tuple[List[Tensor], List[Any]]:
-    """Sends tensors to the next rank and receives the previous rank's (asynchronously)."""
-    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+def _pass_on(group: Optional[dist.ProcessGroup], tensors: Sequence[Tensor], rank: int, size: int,
+             into: Optional[List[Tensor]] = None) -> Tuple[List[Tensor], List[Any]]:
+    """Sends tensors to the next rank and receives the previous rank's (asynchronously), into the
+    buffers ``into`` when given (a block already sent and used: the ring reuses two sets)."""
+    received = into if into is not None else [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     requests = _exchange(
         group, [(t, (rank + 1) % size, i) for i, t in enumerate(tensors)],
         [(t, (rank - 1) % size, i) for i, t in enumerate(received)],
@@ -105,36 +108,57 @@ def _bias(padding: Optional[Tensor], keys: slice) -> Optional[Tensor]:
     return None if padding is None else padding[:, keys][:, None, None, :]
 
 
-def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> Tuple[Tensor, Tensor]:
-    """Two softmax-normalised partial results over disjoint keys, combined by their log-sum-exp."""
+def _t(x: Tensor) -> Tensor:
+    """(N, L, H, D) <-> (N, H, L, D), a view: the ring holds blocks as (N, L, H, D), contiguous,
+    which is what the projections write and out_proj reads; the kernels take the transposed view."""
+    return x.transpose(1, 2)
+
+
+def _merge_(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
+    """Adds a block's softmax-normalised partial result (over other keys) into out and lse (views
+    of the accumulators), in place, by their log-sum-exp; block_out is scaled in place too, so the
+    only temporaries are per-row factors (no copy of the whole local output per block)."""
     new = torch.logaddexp(lse, block_lse)
     safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)  # no keys yet: 0, not NaN
-    merged = out * torch.exp(lse - safe)[..., None].to(out.dtype) + block_out * torch.exp(block_lse - safe)[..., None].to(out.dtype)
-    return merged, new
+    out.mul_(torch.exp(lse - safe)[..., None].to(out.dtype))
+    out.add_(block_out.mul_(torch.exp(block_lse - safe)[..., None].to(out.dtype)))
+    lse.copy_(new)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, padding: Optional[Tensor], causal: bool,
                 group: Optional[dist.ProcessGroup], scale: float) -> Tensor:
+        """q, k, v: (N, L/P, H, D), contiguous; returns (N, L/P, H, D)."""
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        length = q.size(2)
+        length = q.size(1)
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        lse = torch.full((q.size(0), q.size(2), length), float("-inf"),
+                         dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
         block = [k, v] + ([padding] if padding is not None else [])
+        spare: Optional[List[Tensor]] = None
+        # Memory: the block attended and the one in flight, and for backward the local k, v. Without
+        # gradients the local k, v (ours: made by the projections) take the next block once sent.
+        reuse_local = not any(ctx.needs_input_grad[:3])
         for step in range(size):
             requests: List[Any] = []
             if step < size - 1:  # the next block travels while this one is attended
-                incoming, requests = _pass_on(group, block, rank, size)
+                incoming, requests = _pass_on(group, block, rank, size, into=spare)
             source = (rank - step) % size
             for rows, keys, kind in _pairs(rank, source, size, length, causal):
                 bias = _bias(block[2] if padding is not None else None, keys)
-                o, l = _block_forward(q[:, :, rows], block[0][:, :, keys], block[1][:, :, keys], bias,
+                o, l = _block_forward(_t(q)[:, :, rows], _t(block[0])[:, :, keys], _t(block[1])[:, :, keys], bias,
                                       kind == "diagonal", scale)
-                out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], o, l)
+                _merge_(_t(out)[:, :, rows], lse[:, :, rows], o, l)
+                del o, l
             _wait(requests)
             if step < size - 1:
+                if step > 0:  # sent and attended: the next receive's buffers
+                    spare = block
+                elif reuse_local:  # not the padding, which may be the caller's own tensor
+                    spare = [k, v] + ([torch.empty_like(padding)] if padding is not None else [])
                 block = incoming
+        del block, spare
         ctx.save_for_backward(q, k, v, padding, out, lse)
         ctx.causal, ctx.group, ctx.scale = causal, group, scale
         return out
@@ -144,30 +168,35 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, padding, out, lse = ctx.saved_tensors
         group, causal, scale = ctx.group, ctx.causal, ctx.scale
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        length = q.size(2)
+        length = q.size(1)
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
         block = [k, v] + ([padding] if padding is not None else [])
         grads = [torch.zeros_like(k), torch.zeros_like(v)]  # dK, dV of the block held, travelling with it
+        spare: Optional[List[Tensor]] = None
+        spare_grads: Optional[List[Tensor]] = None
         for step in range(size):
             requests: List[Any] = []
             if step < size - 1:
-                incoming, requests = _pass_on(group, block, rank, size)
+                incoming, requests = _pass_on(group, block, rank, size, into=spare)
             source = (rank - step) % size
             for rows, keys, kind in _pairs(rank, source, size, length, causal):
                 bias = _bias(block[2] if padding is not None else None, keys)
                 dq_b, dk_b, dv_b = _block_backward(
-                    dout[:, :, rows], q[:, :, rows], block[0][:, :, keys], block[1][:, :, keys],
-                    out[:, :, rows], lse[:, :, rows].contiguous(), bias, kind == "diagonal", scale,
+                    _t(dout)[:, :, rows], _t(q)[:, :, rows], _t(block[0])[:, :, keys], _t(block[1])[:, :, keys],
+                    _t(out)[:, :, rows], lse[:, :, rows].contiguous(), bias, kind == "diagonal", scale,
                 )
-                dq[:, :, rows] += dq_b
-                grads[0][:, :, keys] += dk_b
-                grads[1][:, :, keys] += dv_b
+                _t(dq)[:, :, rows] += dq_b
+                _t(grads[0])[:, :, keys] += dk_b
+                _t(grads[1])[:, :, keys] += dv_b
+                del dq_b, dk_b, dv_b
             # The accumulators follow their block to the next rank; after the last step that is the
             # block's owner, with every rank's contribution.
-            grads, grad_requests = _pass_on(group, grads, rank, size)
+            received, grad_requests = _pass_on(group, grads, rank, size, into=spare_grads)
             _wait(requests + grad_requests)
+            spare_grads, grads = grads, received
             if step < size - 1:
+                spare = block if step > 0 else None
                 block = incoming
         return dq, grads[0], grads[1], None, None, None, None
 
@@ -280,14 +309,18 @@ class ContextParallelAttention(nn.Module):
             x_local = _TradeChunks.apply(x_local, group, False)
             if padding is not None:
                 padding = _trade(padding, group, False)
-        q, k, v = ops.in_projection_packed(q=x_local, k=x_local, v=x_local, w=mha.in_proj_weight, b=mha.in_proj_bias)
         heads, head_dim = mha.num_heads, mha.embed_dim // mha.num_heads
+        bias = mha.in_proj_bias
+        b_q, b_k, b_v = bias.chunk(3) if bias is not None else (None, None, None)
 
-        def split(t: Tensor) -> Tensor:  # (N, L/P, E) -> (N, H, L/P, D)
-            return t.unflatten(-1, (heads, head_dim)).transpose(1, 2).contiguous()
-
-        out = _RingAttention.apply(split(q), split(k), split(v), padding, is_causal, group, 1.0 / math.sqrt(head_dim))
-        out = F.linear(out.transpose(1, 2).flatten(2), mha.out_proj.weight, mha.out_proj.bias)
+        # One GEMM each for q, k and v: each comes out (N, L/P, E) = (N, L/P, H, D) contiguous, the
+        # ring's layout, with no copy (a packed projection's chunks would need one for K/V to travel).
+        qkv = [F.linear(x_local, w, b).unflatten(-1, (heads, head_dim))
+               for w, b in zip(mha.in_proj_weight.chunk(3), (b_q, b_k, b_v))]
+        del x_local  # causal: the traded copy, not needed past here (autograd keeps what it saved)
+        out = _RingAttention.apply(*qkv, padding, is_causal, group, 1.0 / math.sqrt(head_dim))
+        del qkv
+        out = F.linear(out.flatten(2), mha.out_proj.weight, mha.out_proj.bias)
         if is_causal:
             out = _TradeChunks.apply(out, group, True)
         return out

@@ -7,6 +7,8 @@ bias. The packed in_proj_weight (3E, E) stacks q, k and v, so a rank's rows are 
 each third: the placement is _StridedShard(0, split_factor=3), torch's own for a dimension sharded
 inside a flattened one; full_tensor() and state_dict() keep torch's layout and names, and
 torchmha.distributed.SavePlanner / LoadPlanner let DCP write and read such a shard (_checkpoint.py).
+The packed in_proj_bias (3E) is replicated: each rank reads its heads' entries, and their gradients
+are summed over the ranks in backward (a 3E all-reduce).
 """
 
 from typing import List, Optional, Tuple, Union
@@ -87,8 +89,13 @@ class HeadParallelMultiheadAttention(MultiheadAttention):
             w_q, w_k, w_v = _local(self.in_proj_weight).chunk(3)  # type: ignore[union-attr]
         else:
             w_q, w_k, w_v = _local(self.q_proj_weight), _local(self.k_proj_weight), _local(self.v_proj_weight)
-        bias = _local(self.in_proj_bias)
-        b_q, b_k, b_v = bias.chunk(3) if bias is not None else (None, None, None)
+        bias = _local(self.in_proj_bias)  # replicated (3E,): this rank takes its heads' entries
+        b_q = b_k = b_v = None
+        if bias is not None:
+            if bias.requires_grad:  # each rank's gradient covers its own heads' entries: sum them
+                bias = copy_to_parallel(bias, group)
+            ours = slice(rank * (self.embed_dim // parts), (rank + 1) * (self.embed_dim // parts))
+            b_q, b_k, b_v = (part[ours] for part in bias.chunk(3))
         # The core derives the head size from embed_dim (the query's width), so the query is
         # projected here and handed over with an identity projection; keys and values go through
         # the core's own projection with this rank's rows (E/P, kdim).
@@ -131,7 +138,10 @@ def _shard_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement) 
 def _parallelize_one(mha: nn.MultiheadAttention, mesh: DeviceMesh) -> None:
     rows = _StridedShard(0, split_factor=3)  # q, k and v rows of our heads: one block per third
     _shard_parameter(mha, "in_proj_weight", mesh, rows)
-    _shard_parameter(mha, "in_proj_bias", mesh, rows)
+    # The packed bias (3E elements) is replicated, not strided like the weight: FSDP2 can only shard
+    # a 1-D parameter on dim 0 again, and DTensor's full_tensor() gets that nesting of two strided
+    # shards wrong (torch 2.13); the default DCP planners read and write a replicated tensor as is.
+    _shard_parameter(mha, "in_proj_bias", mesh, Replicate())
     for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
         _shard_parameter(mha, name, mesh, Shard(0))
     _shard_parameter(mha, "bias_k", mesh, Shard(2))  # (1, 1, E): per-head features
@@ -147,9 +157,9 @@ def parallelize_heads(module: nn.Module, mesh_or_group: MeshOrGroup = None) -> n
     MultiheadAttention inside it head-parallel over ``mesh_or_group`` (a 1-D DeviceMesh, a
     ProcessGroup, or None for the default group), in place, and returns it.
 
-    Each of the P ranks keeps num_heads / P heads: their rows of in_proj_weight / in_proj_bias
-    (or of q/k/v_proj_weight) and bias_k / bias_v features, and the matching columns of
-    out_proj.weight, as DTensors; out_proj.bias is replicated. ``state_dict()`` keeps torch's
+    Each of the P ranks keeps num_heads / P heads: their rows of in_proj_weight (or of
+    q/k/v_proj_weight) and bias_k / bias_v features, and the matching columns of out_proj.weight,
+    as DTensors; in_proj_bias and out_proj.bias are replicated. ``state_dict()`` keeps torch's
     names and global shapes, ``full_tensor()`` torch's layout. Every rank must call forward with the
     same inputs; it returns the whole output. Parameters are taken from rank 0 (distribute_tensor).
     Subclasses other than torchmha's are left alone, as in replace_multihead_attention.
