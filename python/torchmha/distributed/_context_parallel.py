@@ -68,13 +68,15 @@ def _exchange(group: Optional[dist.ProcessGroup], sends: Sequence[Tuple[Tensor, 
 
 
 def _pass_on(group: Optional[dist.ProcessGroup], tensors: Sequence[Tensor], rank: int, size: int,
-             into: Optional[List[Tensor]] = None) -> Tuple[List[Tensor], List[Any]]:
+             into: Optional[List[Tensor]] = None, first_tag: int = 0) -> Tuple[List[Tensor], List[Any]]:
     """Sends tensors to the next rank and receives the previous rank's (asynchronously), into the
-    buffers ``into`` when given (a block already sent and used: the ring reuses two sets)."""
+    buffers ``into`` when given (a block already sent and used: the ring reuses two sets). Tags
+    first_tag, first_tag + 1, ...: two exchanges in flight between the same ranks (a block and
+    its gradients) must not share a tag, or one may be received into the other's buffer."""
     received = into if into is not None else [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     requests = _exchange(
-        group, [(t, (rank + 1) % size, i) for i, t in enumerate(tensors)],
-        [(t, (rank - 1) % size, i) for i, t in enumerate(received)],
+        group, [(t, (rank + 1) % size, first_tag + i) for i, t in enumerate(tensors)],
+        [(t, (rank - 1) % size, first_tag + i) for i, t in enumerate(received)],
     )
     return received, requests
 
@@ -192,7 +194,7 @@ class _RingAttention(torch.autograd.Function):
                 del dq_b, dk_b, dv_b
             # The accumulators follow their block to the next rank; after the last step that is the
             # block's owner, with every rank's contribution.
-            received, grad_requests = _pass_on(group, grads, rank, size, into=spare_grads)
+            received, grad_requests = _pass_on(group, grads, rank, size, into=spare_grads, first_tag=len(block))
             _wait(requests + grad_requests)
             spare_grads, grads = grads, received
             if step < size - 1:
