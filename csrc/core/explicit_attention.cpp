@@ -13,6 +13,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <tuple>
 #include <vector>
@@ -288,6 +289,16 @@ struct ExplicitAttentionFunction : public torch::autograd::Function<ExplicitAtte
 };
 
 }  // namespace
+
+bool explicit_kernel_pays_off(int64_t L, int64_t S) {
+  // Measured (benchmarks/README, issue 14): ours/torch about 0.9-1.3 at 16^2-256^2 scores a head,
+  // 0.5-0.9 from 512^2, 0.46 at 2048^2.
+  static const int64_t min_scores = [] {
+    const char* value = std::getenv("TORCHMHA_MIN_KERNEL_SCORES");
+    return value != nullptr ? std::atoll(value) : int64_t(1) << 17;
+  }();
+  return L * S >= min_scores;
+}
 
 bool explicit_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask) {
   return q.device().is_cpu() && kernel_applies(q, k, v, mask);

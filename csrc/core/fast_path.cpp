@@ -4,6 +4,7 @@
 
 #include "attend.h"
 #include "cpu_capability.h"
+#include "explicit_attention.h"
 
 #include <ATen/autocast_mode.h>
 
@@ -162,7 +163,7 @@ bool weights_kernel_beats_fast_path(const ForwardCall& call, int64_t embed_dim, 
   const int64_t N = query.size(0), L = query.size(1);
   const auto& padding = call.key_padding_mask;
   const auto& mask = call.attn_mask;
-  return N > 0 && L > 0 && query.size(2) == embed_dim && !call.is_causal &&
+  return N > 0 && L > 0 && query.size(2) == embed_dim && !call.is_causal && explicit_kernel_pays_off(L, L) &&
       (!is_present(padding) || padding->sizes() == at::IntArrayRef{N, L}) &&
       (!is_present(mask) || mask->sizes() == at::IntArrayRef{L, L} ||
        mask->sizes() == at::IntArrayRef{N * num_heads, L, L});

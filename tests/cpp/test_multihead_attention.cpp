@@ -69,11 +69,12 @@ TEST(MultiheadAttention, WeightsKernelsMatchLibTorchForwardAndBackward) {
   torch::manual_seed(5);
   auto ours = float64_attention(torchmha::MultiheadAttentionOptions(16, 4));
   auto theirs = libtorch_copy(ours);
-  auto q = torch::randn({300, 2, 16}, f64());
-  auto kv = torch::randn({90, 2, 16}, f64());
-  auto kpm = torch::rand({2, 90}) < 0.3;
+  // 600 x 240 scores a head: above the size from which the core uses the kernels.
+  auto q = torch::randn({600, 2, 16}, f64());
+  auto kv = torch::randn({240, 2, 16}, f64());
+  auto kpm = torch::rand({2, 240}) < 0.3;
   kpm.select(1, 0).fill_(false);
-  auto mask = torch::randn({300, 90}, f64());
+  auto mask = torch::randn({600, 240}, f64());
   for (bool average : {true, false}) {
     auto [y_ref, w_ref] = theirs(q, kv, kv, kpm, true, mask, average);
     torch::NoGradGuard no_grad;

@@ -198,3 +198,26 @@ def test_the_composition_where_the_kernels_cannot_serve(why):
         names, _ = profiled(ours, x, attn_mask=mask)
     assert "torchmha::attention_with_weights" not in names
     assert "aten::softmax" in names
+
+
+@needs_the_kernel
+def test_the_kernels_serve_heads_of_at_least_2_to_the_17_scores():
+    """The suite runs the kernels at every size (conftest.py); without that setting a small head
+    takes the composition's batched GEMMs, which are faster there, and a large one the kernels."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch, torchmha
+m = torchmha.MultiheadAttention(8, 1, dtype=torch.float64).eval()
+for length, expected in ((16, False), (400, True)):
+    x = torch.randn(length, 1, 8, dtype=torch.float64)
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        m(x, x, x)
+    ran = any(e.name == "torchmha::attention_with_weights" for e in prof.events())
+    assert ran == expected, (length, ran)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHMHA_MIN_KERNEL_SCORES"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
