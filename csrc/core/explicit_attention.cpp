@@ -72,9 +72,14 @@ namespace {
 // L = 2048: the scores GEMM is then too thin).
 constexpr int64_t kBlockBytes = int64_t(1024) << 10;
 
+// Rows whose S scores fill the buffer above (8 to 256).
+int64_t rows_in_buffer(int64_t S, int64_t element_size) {
+  return std::clamp<int64_t>(kBlockBytes / (S * element_size), 8, 256);
+}
+
 // Rows per block: the buffer above, but at least 4 blocks a thread when the rows allow.
 int64_t rows_per_block(int64_t N, int64_t L, int64_t S, int64_t element_size) {
-  int64_t rows = std::clamp<int64_t>(kBlockBytes / (S * element_size), 8, 256);
+  int64_t rows = rows_in_buffer(S, element_size);
   const int64_t wanted = 4 * at::get_num_threads();
   while (rows > 8 && N * ((L + rows - 1) / rows) < wanted) {
     rows /= 2;
@@ -146,7 +151,7 @@ void explicit_attention_backward_kernel(const Tensor& q, const Tensor& k, const 
                                         bool average, const Tensor& grad_heads, const Tensor& grad_weights,
                                         const Tensor& dq, const Tensor& dk, const Tensor& dv) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
-  const int64_t block = std::min<int64_t>(std::clamp<int64_t>(kBlockBytes / (S * sizeof(scalar_t)), 8, 256), L);
+  const int64_t block = std::min(rows_in_buffer(S, sizeof(scalar_t)), L);
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   const bool avx512 = cpu_capability() == Capability::kAvx512;
   const auto options = q.options();
@@ -196,10 +201,12 @@ void explicit_attention_backward_kernel(const Tensor& q, const Tensor& k, const 
   });
 }
 
-bool kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask) {
+}  // namespace
+
+bool explicit_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask) {
   const auto dtype = q.scalar_type();
-  if (cpu_capability() == Capability::kNone || (dtype != at::kFloat && dtype != at::kDouble) ||
-      k.scalar_type() != dtype || v.scalar_type() != dtype || q.numel() == 0 || k.size(2) == 0) {
+  if (!explicit_kernel_serves(q.device(), dtype) || k.scalar_type() != dtype || v.scalar_type() != dtype ||
+      q.numel() == 0 || k.size(2) == 0) {
     return false;
   }
   // The mask's rows are read in place: contiguous along the keys.
@@ -207,11 +214,9 @@ bool kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, const Opt
       (mask->scalar_type() == dtype && mask->dim() == 4 && mask->size(3) == k.size(2) && mask->stride(3) == 1);
 }
 
-}  // namespace
-
 std::tuple<Tensor, Tensor> attention_with_weights_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
                                                       const OptionalTensor& mask, bool average) {
-  if (!kernel_applies(q, k, v, mask)) {
+  if (!explicit_kernel_applies(q, k, v, mask)) {
     return attention_with_weights_reference(q, k, v, mask, average);
   }
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
@@ -290,18 +295,25 @@ struct ExplicitAttentionFunction : public torch::autograd::Function<ExplicitAtte
 
 }  // namespace
 
+bool explicit_kernel_serves(const at::Device& device, at::ScalarType dtype) {
+  return device.is_cpu() && (dtype == at::kFloat || dtype == at::kDouble) && cpu_capability() != Capability::kNone;
+}
+
 bool explicit_kernel_pays_off(int64_t L, int64_t S) {
   // Measured (benchmarks/README, issue 14): ours/torch about 0.9-1.3 at 16^2-256^2 scores a head,
   // 0.5-0.9 from 512^2, 0.46 at 2048^2.
   static const int64_t min_scores = [] {
     const char* value = std::getenv("TORCHMHA_MIN_KERNEL_SCORES");
-    return value != nullptr ? std::atoll(value) : int64_t(1) << 17;
+    if (value == nullptr) {
+      return int64_t(1) << 17;
+    }
+    char* end = nullptr;
+    const long long parsed = std::strtoll(value, &end, 10);
+    TORCH_CHECK_VALUE(end != value && *end == '\0' && parsed >= 0,
+                      "TORCHMHA_MIN_KERNEL_SCORES must be a non-negative integer (scores a head), but is '", value, "'");
+    return static_cast<int64_t>(parsed);
   }();
   return L * S >= min_scores;
-}
-
-bool explicit_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask) {
-  return q.device().is_cpu() && kernel_applies(q, k, v, mask);
 }
 
 std::pair<Tensor, Tensor> attention_with_weights_differentiable(const Tensor& q, const Tensor& k, const Tensor& v,

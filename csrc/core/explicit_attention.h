@@ -37,6 +37,8 @@ std::pair<Tensor, Tensor> attention_with_weights_differentiable(const Tensor& q,
 /// Whether the CPU kernels take these inputs (CPU, float or double, AVX2/AVX-512, a mask whose rows
 /// are contiguous).
 bool explicit_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask);
+/// Whether the CPU kernels serve this device and dtype (CPU, float or double, AVX2/AVX-512).
+bool explicit_kernel_serves(const at::Device& device, at::ScalarType dtype);
 /// Whether a head's L x S scores are many enough for the kernels to beat the composition's batched
 /// GEMMs (below, the per-head calls cost more than they save, and the scores are small anyway).
 /// The threshold is TORCHMHA_MIN_KERNEL_SCORES if set (the tests run the kernels at every size).

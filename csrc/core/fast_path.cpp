@@ -3,7 +3,6 @@
 #include "fast_path.h"
 
 #include "attend.h"
-#include "cpu_capability.h"
 #include "explicit_attention.h"
 
 #include <ATen/autocast_mode.h>
@@ -153,9 +152,7 @@ bool weights_kernel_beats_fast_path(const ForwardCall& call, int64_t embed_dim, 
   // (benchmarks/run.py, case fast_path: the fused kernel materializes and masks the per-head
   // weights, and its masked softmax is slower than its own slow path on CPU.)
   const Tensor& query = call.query;
-  const auto dtype = query.scalar_type();
-  if (!call.need_weights || query.is_nested() || !query.device().is_cpu() ||
-      (dtype != at::kFloat && dtype != at::kDouble) || cpu_capability() == Capability::kNone) {
+  if (!call.need_weights || query.is_nested() || !explicit_kernel_serves(query.device(), query.scalar_type())) {
     return false;
   }
   // Well-formed: (N, L, E) self-attention with masks in the shapes merge_masks expects, not

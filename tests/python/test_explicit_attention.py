@@ -221,3 +221,24 @@ for length, expected in ((16, False), (400, True)):
     env = {k: v for k, v in os.environ.items() if k != "TORCHMHA_MIN_KERNEL_SCORES"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_malformed_threshold_is_a_clear_error():
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch, torchmha
+m = torchmha.MultiheadAttention(8, 1).eval()
+x = torch.randn(4, 1, 8)
+try:
+    m(x, x, x)
+except ValueError as error:
+    assert "TORCHMHA_MIN_KERNEL_SCORES must be a non-negative integer" in str(error) and "'2e5'" in str(error), error
+else:
+    raise AssertionError("no error")
+"""
+    env = dict(os.environ, TORCHMHA_MIN_KERNEL_SCORES="2e5")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
