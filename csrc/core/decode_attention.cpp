@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -112,6 +113,30 @@ StepLengths checked_lengths(const Tensor& lengths, const Tensor& new_lengths, in
 // Below this many key elements (keys x heads x head size) a step runs on the calling thread.
 constexpr int64_t kSerialWork = int64_t(1) << 16;
 
+// Splits (sequence, head) pairs [0, N * H) into `parts` contiguous ranges of about equal work
+// (keys read): sequences at different lengths would leave the threads that hold the short ones
+// idle under parallel_for's equal-count split (at batch 8 with lengths prefix/2 .. prefix, the
+// longest half holds 60% of the keys). Returns parts + 1 bounds.
+std::vector<int64_t> balanced_bounds(const StepLengths& lengths, int64_t H, int64_t parts) {
+  const int64_t N = static_cast<int64_t>(lengths.before.size());
+  std::vector<int64_t> work(N);  // per pair of sequence n: one row per new position over its prefix
+  int64_t total = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    work[n] = 1 + lengths.added[n] * (lengths.before[n] + lengths.added[n]);
+    total += work[n] * H;
+  }
+  std::vector<int64_t> bounds{0};
+  int64_t done = 0;
+  for (int64_t i = 0; i < N * H && static_cast<int64_t>(bounds.size()) < parts; ++i) {
+    done += work[i / H];
+    if (done * parts >= total * static_cast<int64_t>(bounds.size())) {
+      bounds.push_back(i + 1);
+    }
+  }
+  bounds.resize(parts + 1, N * H);
+  return bounds;
+}
+
 template <typename scalar_t>
 void decode_attention_kernel(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                              const Tensor& v_cache, const StepLengths& lengths, const OptionalTensor& padding,
@@ -126,15 +151,25 @@ void decode_attention_kernel(const Tensor& q, const Tensor& k_new, const Tensor&
       lengths.before.data(), lengths.added.data(), H, q.size(2), k_cache.size(2), D,
       scalar_t(1) / std::sqrt(scalar_t(D))};
   const bool avx512 = cpu_capability() == Capability::kAvx512;
+  const auto run = [&](int64_t begin, int64_t end) {
+    avx512 ? kernel::avx512::decode_heads(problem, begin, end) : kernel::avx2::decode_heads(problem, begin, end);
+  };
   // A short prefix is cheaper on one thread than the cost of waking the others.
   int64_t keys = 0;
   for (size_t n = 0; n < lengths.before.size(); ++n) {
     keys += lengths.before[n] + lengths.added[n];
   }
   const int64_t pairs = q.size(0) * H;
-  const int64_t grain = keys * H * D < kSerialWork ? pairs : 1;
-  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
-    avx512 ? kernel::avx512::decode_heads(problem, begin, end) : kernel::avx2::decode_heads(problem, begin, end);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), pairs);
+  if (keys * H * D < kSerialWork || threads <= 1) {
+    run(0, pairs);
+    return;
+  }
+  const auto bounds = balanced_bounds(lengths, H, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t part = begin; part < end; ++part) {
+      run(bounds[part], bounds[part + 1]);
+    }
   });
 }
 

@@ -87,6 +87,20 @@ def test_sequences_at_different_positions_equal_torch_alone(dtype):
     assert seqs.cache.length == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_long_sequences_at_different_lengths_split_over_threads(dtype):
+    """Enough keys for the CPU kernel to split the (sequence, head) pairs over threads by work:
+    prompts of very different lengths, then steps; every sequence equals torch alone."""
+    ref, ours = mha_pair(64, 4, dtype=dtype)
+    ref.eval(), ours.eval()
+    lengths = [40, 700, 3, 400, 0, 260]
+    seqs = Sequences(ref, len(lengths))
+    seqs.cache = torchmha.KeyValueCache.for_module(ours, len(lengths), 720)
+    step(ours, seqs, torch.randn(700, len(lengths), 64, dtype=dtype), lengths, dtype)
+    for _ in range(2):
+        step(ours, seqs, torch.randn(1, len(lengths), 64, dtype=dtype), [1] * len(lengths), dtype)
+
+
 def test_new_lengths_and_lengths_are_checked():
     _, ours = mha_pair(E, H)
     cache = torchmha.KeyValueCache.for_module(ours, N, 4)
