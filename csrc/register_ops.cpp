@@ -49,7 +49,7 @@ TORCH_LIBRARY(torchmha, m) {
   // The step's attention inside attention_with_cache: a kernel per device (decode_attention.h).
   m.def(
       "decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "Tensor lengths, Tensor new_lengths, Tensor? padding, float dropout_p) -> Tensor");
+      "Tensor(c!) lengths, Tensor? new_lengths, Tensor? padding, float dropout_p) -> Tensor");
   // The attention with weights inside multi_head_attention_forward, where no gradient or dropout
   // is needed: a kernel per device (explicit_attention.h).
   m.def("attention_with_weights(Tensor q, Tensor k, Tensor v, Tensor? mask, bool average) -> (Tensor, Tensor)");

@@ -110,15 +110,13 @@ Tensor attention_with_cache(const Tensor& query, const Tensor& k_cache, const Te
   if (is_present(new_lengths)) {
     check_lengths(*new_lengths, "new_lengths", batch, query);
   }
-  const Tensor added = is_present(new_lengths) ? *new_lengths : at::full({batch}, new_len, lengths.options());
   const auto padding = cache_padding(call.key_padding_mask, query, k_cache.size(2), call.batch_first);
 
   // project: one packed GEMM for q|k|v of the new positions
   auto [q, k, v] = project_to_heads(query, query, query, w.in_proj, Sharing::kSelfAttention, w.num_heads,
                                     call.batch_first);
-  // write the cache and attend (decode_attention), count the new positions, output projection
-  auto heads = decode_attention(q, k, v, k_cache, v_cache, lengths, added, padding, call.effective_dropout());
-  lengths.add_(added);
+  // write the cache, attend and count the new positions (decode_attention), output projection
+  auto heads = decode_attention(q, k, v, k_cache, v_cache, lengths, new_lengths, padding, call.effective_dropout());
   auto output = project_output(heads, w, call.batch_first);
   if (is_present(new_lengths)) {  // rows past a sequence's new positions are zeros, not the bias
     const Tensor steps = at::arange(new_len, lengths.options());

@@ -19,12 +19,12 @@
 namespace torchmha::core {
 
 Tensor decode_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
-                        const Tensor& v_cache, const Tensor& lengths, const Tensor& new_lengths,
+                        const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                         const OptionalTensor& padding, double dropout_p) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("torchmha::decode_attention", "")
                        .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                     const Tensor&, const Tensor&, const OptionalTensor&, double)>();
+                                     const Tensor&, const OptionalTensor&, const OptionalTensor&, double)>();
   return op.call(q, k_new, v_new, k_cache, v_cache, lengths, new_lengths, padding, dropout_p);
 }
 
@@ -55,24 +55,25 @@ void write_rows(const Tensor& cache, const Tensor& fresh, const Tensor& lengths,
 }  // namespace
 
 Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
-                                  const Tensor& v_cache, const Tensor& lengths, const Tensor& new_lengths,
+                                  const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                                   const OptionalTensor& padding, double dropout_p) {
   const int64_t N = k_cache.size(0), M = k_cache.size(2), T = q.size(2);
+  const Tensor added = is_present(new_lengths) ? *new_lengths : at::full({N}, T, lengths.options());
   // The CPU kernel checks these with the numbers; here (any device, no host sync) as assertions.
-  at::_assert_async(((new_lengths >= 0) & (new_lengths <= T)).all(),
+  at::_assert_async(((added >= 0) & (added <= T)).all(),
                     "decode_attention: new_lengths must be in [0, T] (the query's length)");
-  at::_assert_async(((lengths >= 0) & (lengths + new_lengths <= M)).all(), "decode_attention: the key/value cache is full");
+  at::_assert_async(((lengths >= 0) & (lengths + added <= M)).all(), "decode_attention: the key/value cache is full");
   if (is_present(padding)) {
-    at::_assert_async((lengths + new_lengths).le(c10::Scalar(padding->sym_size(1))).all(),  // S may be symbolic
+    at::_assert_async((lengths + added).le(c10::Scalar(padding->sym_size(1))).all(),  // S may be symbolic
                       "decode_attention: key_padding_mask does not cover every filled cache position");
   }
-  write_rows(k_cache, k_new, lengths, new_lengths);
-  write_rows(v_cache, v_new, lengths, new_lengths);
+  write_rows(k_cache, k_new, lengths, added);
+  write_rows(v_cache, v_new, lengths, added);
 
   const Tensor steps = at::arange(T, lengths.options());
-  const Tensor row_is_new = steps.unsqueeze(0) < new_lengths.unsqueeze(1);                  // (N, T)
+  const Tensor row_is_new = steps.unsqueeze(0) < added.unsqueeze(1);  // (N, T)
   // Rows past new_lengths see key 0 only (their result is replaced by zeros), so none is all masked.
-  const Tensor last_key = at::where(row_is_new, lengths.unsqueeze(1) + steps, 0);          // (N, T)
+  const Tensor last_key = at::where(row_is_new, lengths.unsqueeze(1) + steps, 0);  // (N, T)
   const Tensor visible = at::arange(M, lengths.options()).view({1, 1, M}) <= last_key.unsqueeze(2);
   Tensor mask = at::zeros({N, 1, T, M}, q.options())
                     .masked_fill(visible.logical_not().unsqueeze(1), -std::numeric_limits<double>::infinity());
@@ -81,6 +82,7 @@ Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Te
     mask = mask + at::constant_pad_nd_symint(*padding, pad).view({N, 1, 1, M});
   }
   const Tensor out = at::scaled_dot_product_attention(q, k_cache, v_cache, mask, dropout_p);
+  lengths.add_(added);
   return out.masked_fill(row_is_new.logical_not().view({N, 1, T, 1}), 0);
 }
 
@@ -93,11 +95,14 @@ struct StepLengths {
   std::vector<int64_t> before, added;
 };
 
-StepLengths checked_lengths(const Tensor& lengths, const Tensor& new_lengths, int64_t T, int64_t M,
+StepLengths checked_lengths(const Tensor& lengths, const OptionalTensor& new_lengths, int64_t T, int64_t M,
                             const OptionalTensor& padding) {
-  const Tensor l = lengths.contiguous(), n = new_lengths.contiguous();
-  StepLengths s{{l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel()},
-                {n.data_ptr<int64_t>(), n.data_ptr<int64_t>() + n.numel()}};
+  const Tensor l = lengths.contiguous();
+  StepLengths s{{l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel()}, std::vector<int64_t>(l.numel(), T)};
+  if (is_present(new_lengths)) {
+    const Tensor n = new_lengths->contiguous();
+    s.added.assign(n.data_ptr<int64_t>(), n.data_ptr<int64_t>() + n.numel());
+  }
   for (size_t i = 0; i < s.before.size(); ++i) {
     TORCH_CHECK_VALUE(s.added[i] >= 0 && s.added[i] <= T, "new_lengths[", i, "] must be in [0, ", T,
                       "] (the query's length), but got ", s.added[i]);
@@ -192,16 +197,20 @@ bool kernel_applies(const Tensor& q, const Tensor& k_new, const Tensor& v_new, c
 }  // namespace
 
 Tensor decode_attention_cpu(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
-                            const Tensor& v_cache, const Tensor& lengths, const Tensor& new_lengths,
+                            const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                             const OptionalTensor& padding, double dropout_p) {
   const auto step = checked_lengths(lengths, new_lengths, q.size(2), k_cache.size(2), padding);
   if (!kernel_applies(q, k_new, v_new, k_cache, v_cache, padding, dropout_p)) {
     return decode_attention_reference(q, k_new, v_new, k_cache, v_cache, lengths, new_lengths, padding, dropout_p);
   }
-  Tensor out = at::zeros(q.sizes(), q.options());
+  Tensor out = at::empty(q.sizes(), q.options());  // the kernel writes every row, zeros past new_lengths
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_attention_cpu", [&] {
     decode_attention_kernel<scalar_t>(q, k_new, v_new, k_cache, v_cache, step, padding, out);
   });
+  int64_t* filled = lengths.data_ptr<int64_t>();
+  for (size_t n = 0; n < step.added.size(); ++n) {
+    filled[n * lengths.stride(0)] += step.added[n];
+  }
   return out;
 }
 

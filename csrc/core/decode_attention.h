@@ -9,8 +9,8 @@
 // Shapes: N sequences, H heads, T new positions, D head size, M cache capacity.
 //   q, k_new, v_new  (N, H, T, D)   the step's projections (strided views are fine)
 //   k_cache, v_cache (N, H, M, D)   written at [lengths[n], lengths[n] + new_lengths[n])
-//   lengths          (N,) int64     positions filled before the step
-//   new_lengths      (N,) int64     positions this step appends per sequence (<= T)
+//   lengths          (N,) int64     positions filled before the step; advanced by new_lengths
+//   new_lengths      (N,) int64     positions this step appends per sequence (<= T); none: T each
 //   padding          (N, S) additive key padding over cache positions [0, S), or none
 // Query t of sequence n sees keys 0 .. lengths[n] + t. The result is (N, H, T, D), with zeros in
 // the rows t >= new_lengths[n].
@@ -21,18 +21,18 @@ namespace torchmha::core {
 
 /// Through the dispatcher (the op torchmha::decode_attention).
 Tensor decode_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
-                        const Tensor& v_cache, const Tensor& lengths, const Tensor& new_lengths,
+                        const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                         const OptionalTensor& padding, double dropout_p);
 
 /// The ATen composition: the reference and the fallback (any device; static shapes, so a compiled
 /// step is one graph for every length).
 Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
-                                  const Tensor& v_cache, const Tensor& lengths, const Tensor& new_lengths,
+                                  const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                                   const OptionalTensor& padding, double dropout_p);
 
 /// torchmha's CPU kernel (float and double without dropout; the reference otherwise).
 Tensor decode_attention_cpu(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
-                            const Tensor& v_cache, const Tensor& lengths, const Tensor& new_lengths,
+                            const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                             const OptionalTensor& padding, double dropout_p);
 
 }  // namespace torchmha::core

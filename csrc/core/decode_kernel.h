@@ -17,7 +17,7 @@ struct DecodeProblem {
   const scalar_t *q, *k_new, *v_new;   // (N, H, T, D), rows contiguous; strides below
   int64_t q_strides[3], new_strides[3];  // sequence, head, row strides of q and of k_new/v_new
   scalar_t *k_cache, *v_cache;          // (N, H, M, D) contiguous
-  scalar_t* out;                        // (N, H, T, D) contiguous, zeros
+  scalar_t* out;                        // (N, H, T, D) contiguous; rows past `added` get zeros
   const scalar_t* padding;              // (N, S) additive, row stride padding_stride; or null
   int64_t padding_stride, padding_len;
   const int64_t *before, *added;        // lengths before the step, positions added, per sequence

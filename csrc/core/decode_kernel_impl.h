@@ -53,7 +53,7 @@ void score_keys(const scalar_t* query, const scalar_t* k, int64_t keys, int64_t 
 }
 
 // result = scale * sum_j weights[j] * v[j]: with rows of C vectors the accumulators stay in
-// registers across all keys (C == 0: any D, accumulated in `result`).
+// registers across all keys (C == 0: any D, accumulated in `result`, zeroed first).
 template <typename scalar_t, int C>
 void weigh_values(const scalar_t* weights, const scalar_t* v, int64_t keys, int64_t D, scalar_t scale,
                   scalar_t* result) {
@@ -72,6 +72,7 @@ void weigh_values(const scalar_t* weights, const scalar_t* v, int64_t keys, int6
       (acc[c] * V(scale)).store(result + c * S);
     }
   } else {
+    std::fill(result, result + D, scalar_t(0));
     for (int64_t j = 0; j < keys; ++j) {
       const V w(weights[j] * scale);
       at::vec::map2([w](V acc, V x) { return at::vec::fmadd(w, x, acc); }, result, result, v + j * D, D);
@@ -131,6 +132,7 @@ void run(const DecodeProblem<scalar_t>& p, int64_t begin, int64_t end) {
     for (int64_t t = 0; t < count; ++t) {
       attend_row(p, q + t * p.q_strides[2], k, v, pad, start + t + 1, p.out + (i * p.T + t) * D, scores);
     }
+    std::fill(p.out + (i * p.T + count) * D, p.out + (i + 1) * p.T * D, scalar_t(0));
   }
 }
 

@@ -101,6 +101,38 @@ def test_long_sequences_at_different_lengths_split_over_threads(dtype):
         step(ours, seqs, torch.randn(1, len(lengths), 64, dtype=dtype), [1] * len(lengths), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("given", [True, False])
+def test_decode_op_writes_attends_and_advances_each_sequence(dtype, given):
+    """The op alone (the CPU kernel; bfloat16 its ATen reference): each sequence's new rows go to
+    its own position, each new row attends to its own prefix, rows past new_lengths are zeros and
+    lengths advance by new_lengths (by T when it is None)."""
+    Nb, Hb, T, D, M = 3, 2, 2, 8, 9
+    before, added = torch.tensor([3, 0, 6]), torch.tensor([2, 0, 1]) if given else torch.full((3,), T)
+    q, k_new, v_new = (torch.randn(Nb, Hb, T, D, dtype=dtype) for _ in range(3))
+    k_cache, v_cache = torch.randn(Nb, Hb, M, D, dtype=dtype), torch.randn(Nb, Hb, M, D, dtype=dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    lengths = before.clone()
+    torch.full((Nb, Hb, T, D), float("nan"), dtype=dtype)  # freed at once: garbage for the output's allocation
+    out = torch.ops.torchmha.decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, added if given else None,
+                                              None, 0.0)
+    assert lengths.tolist() == (before + added).tolist()
+    tolerance = dict(atol=2e-2, rtol=0) if dtype == torch.bfloat16 else dict(atol=1e-5 if dtype == torch.float32 else 1e-10, rtol=0)
+    for n in range(Nb):
+        b, a = int(before[n]), int(added[n])
+        expected_k[n, :, b:b + a], expected_v[n, :, b:b + a] = k_new[n, :, :a], v_new[n, :, :a]
+        for t in range(T):
+            if t >= a:
+                assert not out[n, :, t].any(), f"sequence {n} row {t} is past new_lengths: zeros"
+                continue
+            keys = slice(0, b + t + 1)
+            expected = torch.softmax(q[n, :, t:t + 1].double() @ expected_k[n, :, keys].double().transpose(1, 2)
+                                     / D**0.5, -1) @ expected_v[n, :, keys].double()
+            torch.testing.assert_close(out[n, :, t:t + 1].double(), expected, **tolerance)
+    torch.testing.assert_close(k_cache, expected_k, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, expected_v, atol=0, rtol=0)
+
+
 def test_new_lengths_and_lengths_are_checked():
     _, ours = mha_pair(E, H)
     cache = torchmha.KeyValueCache.for_module(ours, N, 4)
