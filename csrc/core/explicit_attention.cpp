@@ -9,6 +9,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -104,38 +105,77 @@ const scalar_t* mask_rows(const OptionalTensor& mask, int64_t n, int64_t h, int6
   return mask->const_data_ptr<scalar_t>() + n * stride(0) + h * stride(1) + l * stride(2);
 }
 
+// C (M x N, row stride ldc) = A (M x K, lda) B (K x N, ldb), rows contiguous. float: the CPU
+// BLAS's batch-reduce GEMM (oneDNN's micro-kernel where ATen has it, else its GEMM), called on
+// raw pointers: per head, ATen's mm_out on tensor views cost more than the product itself below
+// about 128^2 x 64 (about 1.3 us a call against 0.3 us). double: ATen's mm_out.
+void matmul(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+            int64_t ldc) {
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, /*add_C=*/false, A, B, C, /*is_vnni=*/false);
+}
+
+void matmul(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb, double* C,
+            int64_t ldc) {
+  const auto options = at::TensorOptions().dtype(at::kDouble);
+  Tensor c = matrix(C, M, N, ldc, options);
+  at::mm_out(c, matrix(const_cast<double*>(A), M, K, lda, options), matrix(const_cast<double*>(B), K, N, ldb, options));
+}
+
+// Rows of a (N, H, len, D) tensor with unit stride along D: row l of head (n, h).
+template <typename scalar_t>
+struct HeadRows {
+  const scalar_t* data;
+  int64_t stride_n, stride_h, ld;
+
+  explicit HeadRows(const Tensor& t)
+      : data(t.const_data_ptr<scalar_t>()), stride_n(t.stride(0)), stride_h(t.stride(1)), ld(t.stride(2)) {}
+  const scalar_t* operator()(int64_t n, int64_t h, int64_t l = 0) const {
+    return data + n * stride_n + h * stride_h + l * ld;
+  }
+};
+
+// K^T of head (n, h) into `kt` (D x S, row-major): the GEMMs take no transpose.
+template <typename scalar_t>
+void transpose_keys(const HeadRows<scalar_t>& k, int64_t n, int64_t h, int64_t S, int64_t D, scalar_t* kt) {
+  const scalar_t* rows = k(n, h);
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t d = 0; d < D; ++d) {
+      kt[d * S + s] = rows[s * k.ld + d];
+    }
+  }
+}
+
 template <typename scalar_t>
 void explicit_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
                                bool average, const Tensor& heads_lnhd, const Tensor& weights) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
   const int64_t block = rows_per_block(N, L, S, sizeof(scalar_t));
   const int64_t blocks_per_sequence = (L + block - 1) / block;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const auto scale = static_cast<scalar_t>(1.0 / std::sqrt(static_cast<double>(D)));
   const bool avx512 = cpu_capability() == Capability::kAvx512;
-  const auto options = q.options();
+  const HeadRows<scalar_t> q_rows(q), k_rows(k), v_rows(v);
   scalar_t* weights_data = weights.data_ptr<scalar_t>();
   scalar_t* heads_data = heads_lnhd.data_ptr<scalar_t>();
   const int64_t heads_ld = N * H * D;  // (L, N, H, D): row l of head (n, h)
 
   at::parallel_for(0, N * blocks_per_sequence, 1, [&](int64_t begin, int64_t end) {
     at::NoGradGuard no_grad;  // grad mode is per thread; inside autograd's forward the inputs require grad
-    std::vector<scalar_t> buffer(average ? block * S : 0);
+    std::vector<scalar_t> buffer(average ? block * S : 0), keys_t(D * S);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / blocks_per_sequence, l0 = (task % blocks_per_sequence) * block;
       const int64_t rows = std::min(block, L - l0);
       for (int64_t h = 0; h < H; ++h) {
         // With the average, a block's scores live in the buffer; per head, in the result itself.
         scalar_t* scores = average ? buffer.data() : weights_data + ((n * H + h) * L + l0) * S;
-        Tensor scores_view = matrix(scores, rows, S, S, options);
-        at::addmm_out(scores_view, scores_view, q[n][h].narrow(0, l0, rows), k[n][h].t(), /*beta=*/0, scale);
+        transpose_keys(k_rows, n, h, S, D, keys_t.data());
+        matmul(rows, S, D, q_rows(n, h, l0), q_rows.ld, keys_t.data(), S, scores, S);
         int64_t mask_ld = 0;
         const scalar_t* mask_row = mask_rows<scalar_t>(mask, n, h, l0, &mask_ld);
         const kernel::SoftmaxRows<scalar_t> step{
-            scores, S, mask_row, mask_ld, average ? weights_data + (n * L + l0) * S : nullptr, S, h == 0,
+            scores, S, scale, mask_row, mask_ld, average ? weights_data + (n * L + l0) * S : nullptr, S, h == 0,
             static_cast<scalar_t>(h == H - 1 ? 1.0 / H : 1.0), rows, S};
         avx512 ? kernel::avx512::softmax_rows(step) : kernel::avx2::softmax_rows(step);
-        Tensor heads_view = matrix(heads_data + (l0 * N + n) * H * D + h * D, rows, D, heads_ld, options);
-        at::mm_out(heads_view, scores_view, v[n][h]);
+        matmul(rows, D, S, scores, S, v_rows(n, h), v_rows.ld, heads_data + (l0 * N + n) * H * D + h * D, heads_ld);
       }
     }
   });
@@ -170,8 +210,8 @@ void explicit_attention_backward_kernel(const Tensor& q, const Tensor& k, const 
         at::addmm_out(p, p, q_rows, k[n][h].t(), /*beta=*/0, scale);
         int64_t mask_ld = 0;
         const scalar_t* mask_row = mask_rows<scalar_t>(mask, n, h, l0, &mask_ld);
-        const kernel::SoftmaxRows<scalar_t> step{probabilities.data(), S, mask_row, mask_ld, nullptr, 0, false, 1,
-                                                 rows, S};
+        const kernel::SoftmaxRows<scalar_t> step{probabilities.data(), S, 1, mask_row, mask_ld, nullptr, 0, false,
+                                                 1, rows, S};
         avx512 ? kernel::avx512::softmax_rows(step) : kernel::avx2::softmax_rows(step);
 
         Tensor dp = matrix(grad_probabilities.data(), rows, S, S, options);
@@ -209,7 +249,14 @@ bool explicit_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, 
       q.numel() == 0 || k.size(2) == 0) {
     return false;
   }
-  // The mask's rows are read in place: contiguous along the keys.
+  // Rows of q, k and v, and the mask's rows, are read in place: contiguous along D and the keys,
+  // and (for the GEMMs) rows that do not overlap.
+  const auto rows_contiguous = [](const Tensor& t) {
+    return (t.stride(3) == 1 || t.size(3) == 1) && t.stride(2) >= t.size(3);
+  };
+  if (!rows_contiguous(q) || !rows_contiguous(k) || !rows_contiguous(v)) {
+    return false;
+  }
   return !is_present(mask) ||
       (mask->scalar_type() == dtype && mask->dim() == 4 && mask->size(3) == k.size(2) && mask->stride(3) == 1);
 }
@@ -299,13 +346,15 @@ bool explicit_kernel_serves(const at::Device& device, at::ScalarType dtype) {
   return device.is_cpu() && (dtype == at::kFloat || dtype == at::kDouble) && cpu_capability() != Capability::kNone;
 }
 
-bool explicit_kernel_pays_off(int64_t L, int64_t S) {
-  // Measured (benchmarks/README, issue 14): ours/torch about 0.9-1.3 at 16^2-256^2 scores a head,
-  // 0.5-0.9 from 512^2, 0.46 at 2048^2.
-  static const int64_t min_scores = [] {
+bool explicit_kernel_pays_off(int64_t L, int64_t S, at::ScalarType dtype) {
+  // Measured (benchmarks/README, issue 14). float: the per-head products are BLAS micro-GEMMs on
+  // raw pointers, and the kernels beat or tie the composition at every size measured (eval: 0.62-0.72
+  // of torch against 0.81-0.97 at 16^2-256^2 scores a head). double: they are ATen mm_out calls,
+  // which cost more than the composition's batched GEMMs below about 362^2 scores a head.
+  static const int64_t from_env = [] {
     const char* value = std::getenv("TORCHMHA_MIN_KERNEL_SCORES");
     if (value == nullptr) {
-      return int64_t(1) << 17;
+      return int64_t(-1);
     }
     char* end = nullptr;
     const long long parsed = std::strtoll(value, &end, 10);
@@ -313,6 +362,7 @@ bool explicit_kernel_pays_off(int64_t L, int64_t S) {
                       "TORCHMHA_MIN_KERNEL_SCORES must be a non-negative integer (scores a head), but is '", value, "'");
     return static_cast<int64_t>(parsed);
   }();
+  const int64_t min_scores = from_env >= 0 ? from_env : dtype == at::kDouble ? int64_t(1) << 17 : 0;
   return L * S >= min_scores;
 }
 

@@ -10,13 +10,14 @@
 
 namespace torchmha::core::kernel {
 
-/// `rows` rows of `cols` scores (row stride scores_ld) become softmax(scores + mask) in place.
+/// `rows` rows of `cols` scores (row stride scores_ld) become softmax(scale * scores + mask) in place.
 /// With `sum`, each row of probabilities is also added to the matching row of `sum` (or stored
 /// there when `first`), and the result multiplied by `sum_scale`: over the heads, the average.
 template <typename scalar_t>
 struct SoftmaxRows {
   scalar_t* scores;
   int64_t scores_ld;
+  scalar_t scale;
   const scalar_t* mask;  // additive, or null; row stride mask_ld (0: one row for every row)
   int64_t mask_ld;
   scalar_t* sum;  // or null

@@ -16,12 +16,15 @@ template <typename scalar_t>
 using Vec = at::vec::Vectorized<scalar_t>;
 
 // One row, as torch's softmax does it: max, exp(x - max), sum, times 1/sum. A row that is all
-// -inf gives NaN (-inf - -inf), as torch's does.
+// -inf gives NaN (-inf - -inf), as torch's does. The scores' scale (1 when the GEMM applied it)
+// and the mask come first, in one pass.
 template <typename scalar_t>
-void softmax_row(scalar_t* x, const scalar_t* mask, int64_t n) {
+void softmax_row(scalar_t* x, scalar_t scale, const scalar_t* mask, int64_t n) {
   using V = Vec<scalar_t>;
   if (mask != nullptr) {
-    at::vec::map2([](V a, V b) { return a + b; }, x, x, mask, n);
+    at::vec::map2([s = V(scale)](V a, V b) { return a * s + b; }, x, x, mask, n);
+  } else if (scale != scalar_t(1)) {
+    at::vec::map([s = V(scale)](V a) { return a * s; }, x, x, n);
   }
   const scalar_t max = at::vec::reduce_all<scalar_t>([](V a, V b) { return at::vec::maximum(a, b); }, x, n);
   at::vec::map([max](V a) { return (a - V(max)).exp_u20(); }, x, x, n);
@@ -35,7 +38,7 @@ void run(const SoftmaxRows<scalar_t>& p) {
   using V = Vec<scalar_t>;
   for (int64_t r = 0; r < p.rows; ++r) {
     scalar_t* x = p.scores + r * p.scores_ld;
-    softmax_row(x, p.mask == nullptr ? nullptr : p.mask + r * p.mask_ld, p.cols);
+    softmax_row(x, p.scale, p.mask == nullptr ? nullptr : p.mask + r * p.mask_ld, p.cols);
     if (p.sum == nullptr) {
       continue;
     }

@@ -201,22 +201,23 @@ def test_the_composition_where_the_kernels_cannot_serve(why):
 
 
 @needs_the_kernel
-def test_the_kernels_serve_heads_of_at_least_2_to_the_17_scores():
-    """The suite runs the kernels at every size (conftest.py); without that setting a small head
-    takes the composition's batched GEMMs, which are faster there, and a large one the kernels."""
+def test_the_kernels_serve_float_at_every_size_and_double_from_2_to_the_17_scores():
+    """The suite runs the kernels at every size (conftest.py). Without that setting float takes
+    them at every size, and double only from 2^17 scores a head: below, its per-head ATen products
+    cost more than the composition's batched GEMMs."""
     import os
     import subprocess
     import sys
 
     code = """
 import torch, torchmha
-m = torchmha.MultiheadAttention(8, 1, dtype=torch.float64).eval()
-for length, expected in ((16, False), (400, True)):
-    x = torch.randn(length, 1, 8, dtype=torch.float64)
+for dtype, length, expected in ((torch.float64, 16, False), (torch.float64, 400, True), (torch.float32, 2, True)):
+    m = torchmha.MultiheadAttention(8, 1, dtype=dtype).eval()
+    x = torch.randn(length, 1, 8, dtype=dtype)
     with torch.no_grad(), torch.profiler.profile() as prof:
         m(x, x, x)
     ran = any(e.name == "torchmha::attention_with_weights" for e in prof.events())
-    assert ran == expected, (length, ran)
+    assert ran == expected, (dtype, length, ran)
 """
     env = {k: v for k, v in os.environ.items() if k != "TORCHMHA_MIN_KERNEL_SCORES"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
