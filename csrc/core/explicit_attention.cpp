@@ -105,20 +105,33 @@ const scalar_t* mask_rows(const OptionalTensor& mask, int64_t n, int64_t h, int6
   return mask->const_data_ptr<scalar_t>() + n * stride(0) + h * stride(1) + l * stride(2);
 }
 
-// C (M x N, row stride ldc) = A (M x K, lda) B (K x N, ldb), rows contiguous. float: the CPU
-// BLAS's batch-reduce GEMM (oneDNN's micro-kernel where ATen has it, else its GEMM), called on
-// raw pointers: per head, ATen's mm_out on tensor views cost more than the product itself below
-// about 128^2 x 64 (about 1.3 us a call against 0.3 us). double: ATen's mm_out.
+// C (M x N, row stride ldc) = A (M x K, lda) B (K x N, ldb), rows contiguous, by ATen's mm_out
+// on views of the memory.
+template <typename scalar_t>
+void matmul_aten(int64_t M, int64_t N, int64_t K, const scalar_t* A, int64_t lda, const scalar_t* B, int64_t ldb,
+                 scalar_t* C, int64_t ldc) {
+  const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<scalar_t>::value);
+  Tensor c = matrix(C, M, N, ldc, options);
+  at::mm_out(c, matrix(const_cast<scalar_t*>(A), M, K, lda, options),
+             matrix(const_cast<scalar_t*>(B), K, N, ldb, options));
+}
+
+// The same. float, small products: the CPU BLAS's batch-reduce GEMM on raw pointers (oneDNN's
+// micro-kernel where ATen has it, else its GEMM), about 0.3 us a call against 1.1-1.5 us for
+// mm_out at 16 x 16 x 64, equal at 128 x 128 x 64. Larger ones stay with mm_out: brgemm does not
+// pack B, and over a strided V of 2048 keys it measured 1.75x slower (560 against 320 us).
 void matmul(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
             int64_t ldc) {
-  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, /*add_C=*/false, A, B, C, /*is_vnni=*/false);
+  if (M * N * K <= (int64_t(1) << 20)) {
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, /*add_C=*/false, A, B, C, /*is_vnni=*/false);
+  } else {
+    matmul_aten(M, N, K, A, lda, B, ldb, C, ldc);
+  }
 }
 
 void matmul(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb, double* C,
             int64_t ldc) {
-  const auto options = at::TensorOptions().dtype(at::kDouble);
-  Tensor c = matrix(C, M, N, ldc, options);
-  at::mm_out(c, matrix(const_cast<double*>(A), M, K, lda, options), matrix(const_cast<double*>(B), K, N, ldb, options));
+  matmul_aten(M, N, K, A, lda, B, ldb, C, ldc);
 }
 
 // Rows of a (N, H, len, D) tensor with unit stride along D: row l of head (n, h).
@@ -134,17 +147,6 @@ struct HeadRows {
   }
 };
 
-// K^T of head (n, h) into `kt` (D x S, row-major): the GEMMs take no transpose.
-template <typename scalar_t>
-void transpose_keys(const HeadRows<scalar_t>& k, int64_t n, int64_t h, int64_t S, int64_t D, scalar_t* kt) {
-  const scalar_t* rows = k(n, h);
-  for (int64_t s = 0; s < S; ++s) {
-    for (int64_t d = 0; d < D; ++d) {
-      kt[d * S + s] = rows[s * k.ld + d];
-    }
-  }
-}
-
 template <typename scalar_t>
 void explicit_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
                                bool average, const Tensor& heads_lnhd, const Tensor& weights) {
@@ -153,22 +155,24 @@ void explicit_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v
   const int64_t blocks_per_sequence = (L + block - 1) / block;
   const auto scale = static_cast<scalar_t>(1.0 / std::sqrt(static_cast<double>(D)));
   const bool avx512 = cpu_capability() == Capability::kAvx512;
-  const HeadRows<scalar_t> q_rows(q), k_rows(k), v_rows(v);
+  // K^T of every head, (N, H, D, S), once (the micro-GEMMs take no transpose): per head and block
+  // of rows, a scalar transpose of strided keys cost more than the GEMMs at L = 2048.
+  const Tensor keys_t = k.transpose(2, 3).contiguous();
+  const HeadRows<scalar_t> q_rows(q), kt_rows(keys_t), v_rows(v);
   scalar_t* weights_data = weights.data_ptr<scalar_t>();
   scalar_t* heads_data = heads_lnhd.data_ptr<scalar_t>();
   const int64_t heads_ld = N * H * D;  // (L, N, H, D): row l of head (n, h)
 
   at::parallel_for(0, N * blocks_per_sequence, 1, [&](int64_t begin, int64_t end) {
     at::NoGradGuard no_grad;  // grad mode is per thread; inside autograd's forward the inputs require grad
-    std::vector<scalar_t> buffer(average ? block * S : 0), keys_t(D * S);
+    std::vector<scalar_t> buffer(average ? block * S : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / blocks_per_sequence, l0 = (task % blocks_per_sequence) * block;
       const int64_t rows = std::min(block, L - l0);
       for (int64_t h = 0; h < H; ++h) {
         // With the average, a block's scores live in the buffer; per head, in the result itself.
         scalar_t* scores = average ? buffer.data() : weights_data + ((n * H + h) * L + l0) * S;
-        transpose_keys(k_rows, n, h, S, D, keys_t.data());
-        matmul(rows, S, D, q_rows(n, h, l0), q_rows.ld, keys_t.data(), S, scores, S);
+        matmul(rows, S, D, q_rows(n, h, l0), q_rows.ld, kt_rows(n, h), S, scores, S);
         int64_t mask_ld = 0;
         const scalar_t* mask_row = mask_rows<scalar_t>(mask, n, h, l0, &mask_ld);
         const kernel::SoftmaxRows<scalar_t> step{
