@@ -2,8 +2,9 @@
 
 import os
 
-# torchmha's explicit-weights kernels serve heads of at least 2^17 scores, where they are faster;
-# the tests run them at every size (test_explicit_attention.py checks the threshold itself).
+# torchmha's explicit-weights kernels serve float heads of every size, but double heads only from
+# 2^17 scores, where they are faster; the tests run them at every size in both
+# (test_explicit_attention.py checks the threshold itself).
 os.environ.setdefault("TORCHMHA_MIN_KERNEL_SCORES", "1")
 
 import pytest
