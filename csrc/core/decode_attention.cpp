@@ -31,6 +31,25 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_ne
 // ------------------------------------------------------------------------------ reference
 namespace {
 
+// The op's shapes (decode_attention.h), checked before anything is read or written: the CPU
+// kernel reads through raw pointers, and the reference would broadcast a (1,) lengths.
+void check_step_shapes(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
+                       const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths) {
+  TORCH_CHECK(q.dim() == 4 && k_new.sym_sizes().equals(q.sym_sizes()) && v_new.sym_sizes().equals(q.sym_sizes()),
+              "decode_attention: expected q, k_new and v_new of one shape (N, H, T, D), but got ", q.sym_sizes(), ", ",
+              k_new.sym_sizes(), " and ", v_new.sym_sizes());
+  const auto& N = q.sym_size(0);
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sym_sizes().equals(k_cache.sym_sizes()) && k_cache.sym_size(0) == N &&
+                  k_cache.sym_size(1) == q.sym_size(1) && k_cache.sym_size(3) == q.sym_size(3),
+              "decode_attention: expected k_cache and v_cache of one shape (N, H, M, D) with q's N, H and D ",
+              q.sym_sizes(), ", but got ", k_cache.sym_sizes(), " and ", v_cache.sym_sizes());
+  for (const auto& [t, name] : {std::pair{OptionalTensor(lengths), "lengths"}, std::pair{new_lengths, "new_lengths"}}) {
+    TORCH_CHECK(!is_present(t) || (t->dim() == 1 && t->sym_size(0) == N && t->scalar_type() == at::kLong),
+                "decode_attention: expected ", name, " of shape (", N, ",) and dtype int64, but got ", t->sym_sizes(),
+                " ", t->scalar_type());
+  }
+}
+
 // Index (N, T) along the positions of (N, H, *, D) tensors.
 Tensor along_positions(const Tensor& index, const Tensor& like) {
   const int64_t N = like.size(0), H = like.size(1), D = like.size(3), T = index.size(1);
@@ -57,6 +76,7 @@ void write_rows(const Tensor& cache, const Tensor& fresh, const Tensor& lengths,
 Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                                   const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                                   const OptionalTensor& padding, double dropout_p) {
+  check_step_shapes(q, k_new, v_new, k_cache, v_cache, lengths, new_lengths);
   const int64_t N = k_cache.size(0), M = k_cache.size(2), T = q.size(2);
   const Tensor added = is_present(new_lengths) ? *new_lengths : at::full({N}, T, lengths.options());
   // The CPU kernel checks these with the numbers; here (any device, no host sync) as assertions.
@@ -199,6 +219,7 @@ bool kernel_applies(const Tensor& q, const Tensor& k_new, const Tensor& v_new, c
 Tensor decode_attention_cpu(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                             const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                             const OptionalTensor& padding, double dropout_p) {
+  check_step_shapes(q, k_new, v_new, k_cache, v_cache, lengths, new_lengths);
   const auto step = checked_lengths(lengths, new_lengths, q.size(2), k_cache.size(2), padding);
   if (!kernel_applies(q, k_new, v_new, k_cache, v_cache, padding, dropout_p)) {
     return decode_attention_reference(q, k_new, v_new, k_cache, v_cache, lengths, new_lengths, padding, dropout_p);

@@ -250,7 +250,17 @@ void explicit_attention_backward_kernel(const Tensor& q, const Tensor& k, const 
 bool explicit_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask) {
   const auto dtype = q.scalar_type();
   if (!explicit_kernel_serves(q.device(), dtype) || k.scalar_type() != dtype || v.scalar_type() != dtype ||
-      q.numel() == 0 || k.size(2) == 0) {
+      q.dim() != 4 || q.numel() == 0 || k.dim() != 4 || k.size(2) == 0) {
+    return false;
+  }
+  // They are read through raw pointers: shapes that disagree go to the composition, whose ATen ops
+  // raise the error.
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
+  if (k.sizes() != at::IntArrayRef{N, H, S, D} || v.sizes() != at::IntArrayRef{N, H, S, D}) {
+    return false;
+  }
+  const auto broadcasts = [&](int64_t dim, int64_t size) { return mask->size(dim) == size || mask->size(dim) == 1; };
+  if (is_present(mask) && (mask->dim() != 4 || !broadcasts(0, N) || !broadcasts(1, H) || !broadcasts(2, L))) {
     return false;
   }
   // Rows of q, k and v, and the mask's rows, are read in place: contiguous along D and the keys,
@@ -261,8 +271,7 @@ bool explicit_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, 
   if (!rows_contiguous(q) || !rows_contiguous(k) || !rows_contiguous(v)) {
     return false;
   }
-  return !is_present(mask) ||
-      (mask->scalar_type() == dtype && mask->dim() == 4 && mask->size(3) == k.size(2) && mask->stride(3) == 1);
+  return !is_present(mask) || (mask->scalar_type() == dtype && mask->size(3) == S && mask->stride(3) == 1);
 }
 
 std::tuple<Tensor, Tensor> attention_with_weights_cpu(const Tensor& q, const Tensor& k, const Tensor& v,

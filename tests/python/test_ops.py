@@ -211,3 +211,50 @@ def test_the_avx2_copies_of_the_cpu_kernels_match_torch():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-1000:]
+
+
+def _bad_kernel_calls():
+    """Direct calls of the two kernel ops with shapes that do not fit: (name, call, error)."""
+    ops = torch.ops.torchmha
+    f64 = dict(dtype=torch.float64)
+    q, kv = torch.randn(2, 2, 4, 8, **f64), torch.randn(2, 2, 5, 8, **f64)
+    new = torch.randn(2, 2, 1, 8, **f64)
+
+    def weights(k, v, mask=None):
+        return lambda: ops.attention_with_weights(q, k, v, mask, True)
+
+    def decode(cache, lengths, new_lengths=None):
+        return lambda: ops.decode_attention(new, new, new, cache, cache.clone(), lengths, new_lengths, None, 0.0)
+
+    cache = torch.randn(2, 2, 9, 8, **f64)
+    return [
+        ("weights: keys of another batch", weights(kv[:1], kv[:1]), "invalid for input of size"),
+        ("weights: values of another length", weights(kv, kv[:, :, :3]), "invalid for input of size"),
+        ("weights: keys of another head size", weights(kv[..., :6], kv), "invalid for input of size"),
+        ("weights: a mask of another batch", weights(kv, kv, torch.randn(3, 2, 4, 5, **f64)), "must match the size"),
+        ("decode: a cache of another batch", decode(cache[:1], torch.tensor([3, 1])), "k_cache and v_cache"),
+        ("decode: lengths of another batch", decode(cache, torch.tensor([3])), "expected lengths of shape"),
+        ("decode: new_lengths of another batch", decode(cache, torch.tensor([3, 1]), torch.tensor([1])),
+         "expected new_lengths of shape"),
+        ("decode: int32 lengths", decode(cache, torch.tensor([3, 1], dtype=torch.int32)), "dtype int64"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_kernel_calls())), ids=[c[0] for c in _bad_kernel_calls()])
+def test_the_kernel_ops_reject_shapes_that_do_not_fit(index):
+    """The CPU kernels read through raw pointers: shapes that do not fit raise (the composition's
+    ATen error, or the decode op's own with the shapes) rather than read past a tensor."""
+    _, call, error = _bad_kernel_calls()[index]
+    with pytest.raises(RuntimeError, match=error):
+        call()
+
+
+def test_the_weights_kernel_op_reads_strided_rows_correctly():
+    """Rows that are not contiguous along the head size (the kernel's raw-pointer path does not take
+    them) give the same result as contiguous ones."""
+    f64 = dict(dtype=torch.float64)
+    q, k, v = (torch.randn(2, 3, 8, 5, **f64).transpose(2, 3) for _ in range(3))  # (2, 3, 5, 8), stride(3) = 5
+    heads, weights = torch.ops.torchmha.attention_with_weights(q, k, v, None, False)
+    expected_weights = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, -1)
+    assert_close(weights, expected_weights, torch.float64, "weights")
+    assert_close(heads, expected_weights @ v, torch.float64, "heads")
