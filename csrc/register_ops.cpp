@@ -9,6 +9,7 @@
 
 #include <torchmha/functional.h>
 
+#include "core/blocked_attention.h"
 #include "core/decode_attention.h"
 #include "core/explicit_attention.h"
 
@@ -53,6 +54,11 @@ TORCH_LIBRARY(torchmha, m) {
   // The attention with weights inside multi_head_attention_forward, where no gradient or dropout
   // is needed: a kernel per device (explicit_attention.h).
   m.def("attention_with_weights(Tensor q, Tensor k, Tensor v, Tensor? mask, bool average) -> (Tensor, Tensor)");
+  // The attention without weights, where torchmha's kernel beats SDPA (blocked_attention.h).
+  m.def("blocked_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal) -> (Tensor, Tensor)");
+  m.def(
+      "blocked_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, "
+      "Tensor out, Tensor lse) -> (Tensor, Tensor, Tensor)");
   m.def(
       "project_key_value(Tensor key, Tensor? value, int num_heads, Tensor? in_proj_weight, Tensor? in_proj_bias, "
       "Tensor? k_proj_weight=None, Tensor? v_proj_weight=None, bool batch_first=False, Tensor? bias_k=None, "
@@ -78,15 +84,23 @@ TORCH_LIBRARY(torchmha, m) {
       TORCH_FN(torchmha::transformer_block));
 }
 
-// decode_attention and attention_with_weights: torchmha's own CPU kernels; the ATen composition
+// decode_attention, attention_with_weights and blocked_attention: torchmha's own CPU kernels; the ATen composition
 // on every other device and for Meta/fake tensors (tracing). Both serve inference only: they have
 // no autograd formula (the core takes the differentiable composition where gradients are needed).
 TORCH_LIBRARY_IMPL(torchmha, CPU, m) {
   m.impl("decode_attention", TORCH_FN(torchmha::core::decode_attention_cpu));
   m.impl("attention_with_weights", TORCH_FN(torchmha::core::attention_with_weights_cpu));
+  m.impl("blocked_attention", TORCH_FN(torchmha::core::blocked_attention_cpu));
+  m.impl("blocked_attention_backward", TORCH_FN(torchmha::core::blocked_attention_backward_cpu));
+}
+
+TORCH_LIBRARY_IMPL(torchmha, Meta, m) {
+  m.impl("blocked_attention_backward", TORCH_FN(torchmha::core::blocked_attention_backward_meta));
 }
 
 TORCH_LIBRARY_IMPL(torchmha, CompositeExplicitAutograd, m) {
   m.impl("decode_attention", TORCH_FN(torchmha::core::decode_attention_reference));
   m.impl("attention_with_weights", TORCH_FN(torchmha::core::attention_with_weights_reference));
+  m.impl("blocked_attention", TORCH_FN(torchmha::core::blocked_attention_reference));
+  m.impl("blocked_attention_backward", TORCH_FN(torchmha::core::blocked_attention_backward_reference));
 }

@@ -3,13 +3,13 @@
 #include "explicit_attention.h"
 
 #include "cpu_capability.h"
+#include "micro_gemm.h"
 #include "softmax_rows.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/native/CPUBlas.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -68,6 +68,11 @@ std::tuple<Tensor, Tensor> attention_with_weights_reference(const Tensor& q, con
 // ------------------------------------------------------------------------------ CPU kernel
 namespace {
 
+using micro_gemm::HeadRows;
+using micro_gemm::mask_rows;
+using micro_gemm::matmul;
+using micro_gemm::matrix;
+
 // The block's scores are about this many bytes, so they stay in cache between the two GEMMs and
 // the softmax: half of a core's L2 on the development machine (256 KiB was 1.4x slower at
 // L = 2048: the scores GEMM is then too thin).
@@ -87,65 +92,6 @@ int64_t rows_per_block(int64_t N, int64_t L, int64_t S, int64_t element_size) {
   }
   return std::min(rows, L);
 }
-
-// The 2-D (rows, cols) view of row-major data at `data` with row stride `ld`.
-Tensor matrix(void* data, int64_t rows, int64_t cols, int64_t ld, const at::TensorOptions& options) {
-  return at::from_blob(data, {rows, cols}, {ld, 1}, options);
-}
-
-// One mask row of (n, h, l), or null; `ld` gets the stride between rows l (0: broadcast).
-template <typename scalar_t>
-const scalar_t* mask_rows(const OptionalTensor& mask, int64_t n, int64_t h, int64_t l, int64_t* ld) {
-  if (!is_present(mask)) {
-    *ld = 0;
-    return nullptr;
-  }
-  const auto stride = [&](int64_t d) { return mask->size(d) == 1 ? 0 : mask->stride(d); };
-  *ld = stride(2);
-  return mask->const_data_ptr<scalar_t>() + n * stride(0) + h * stride(1) + l * stride(2);
-}
-
-// C (M x N, row stride ldc) = A (M x K, lda) B (K x N, ldb), rows contiguous, by ATen's mm_out
-// on views of the memory.
-template <typename scalar_t>
-void matmul_aten(int64_t M, int64_t N, int64_t K, const scalar_t* A, int64_t lda, const scalar_t* B, int64_t ldb,
-                 scalar_t* C, int64_t ldc) {
-  const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<scalar_t>::value);
-  Tensor c = matrix(C, M, N, ldc, options);
-  at::mm_out(c, matrix(const_cast<scalar_t*>(A), M, K, lda, options),
-             matrix(const_cast<scalar_t*>(B), K, N, ldb, options));
-}
-
-// The same. float, small products: the CPU BLAS's batch-reduce GEMM on raw pointers (oneDNN's
-// micro-kernel where ATen has it, else its GEMM), about 0.3 us a call against 1.1-1.5 us for
-// mm_out at 16 x 16 x 64, equal at 128 x 128 x 64. Larger ones stay with mm_out: brgemm does not
-// pack B, and over a strided V of 2048 keys it measured 1.75x slower (560 against 320 us).
-void matmul(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-            int64_t ldc) {
-  if (M * N * K <= (int64_t(1) << 20)) {
-    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, /*add_C=*/false, A, B, C, /*is_vnni=*/false);
-  } else {
-    matmul_aten(M, N, K, A, lda, B, ldb, C, ldc);
-  }
-}
-
-void matmul(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb, double* C,
-            int64_t ldc) {
-  matmul_aten(M, N, K, A, lda, B, ldb, C, ldc);
-}
-
-// Rows of a (N, H, len, D) tensor with unit stride along D: row l of head (n, h).
-template <typename scalar_t>
-struct HeadRows {
-  const scalar_t* data;
-  int64_t stride_n, stride_h, ld;
-
-  explicit HeadRows(const Tensor& t)
-      : data(t.const_data_ptr<scalar_t>()), stride_n(t.stride(0)), stride_h(t.stride(1)), ld(t.stride(2)) {}
-  const scalar_t* operator()(int64_t n, int64_t h, int64_t l = 0) const {
-    return data + n * stride_n + h * stride_h + l * ld;
-  }
-};
 
 template <typename scalar_t>
 void explicit_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,

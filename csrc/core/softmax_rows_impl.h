@@ -9,6 +9,9 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
+#include <cmath>
+
 namespace torchmha::core::kernel::TORCHMHA_KERNEL_ISA {
 namespace {
 
@@ -52,9 +55,76 @@ void run(const SoftmaxRows<scalar_t>& p) {
   }
 }
 
+// x = exp(x - max) in place; returns their sum.
+float exp_and_sum(float* x, float max, int64_t n) {
+  using V = Vec<float>;
+  V sums(0.f);
+  int64_t i = 0;
+  for (; i + V::size() <= n; i += V::size()) {
+    const V e = (V::loadu(x + i) - V(max)).exp_u20();
+    e.store(x + i);
+    sums = sums + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](V a, V b) { return a + b; }, sums);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - max);
+    sum += x[i];
+  }
+  return sum;
+}
+
+void online_step(const OnlineSoftmaxRows& p) {
+  using V = Vec<float>;
+  for (int64_t r = 0; r < p.rows; ++r) {
+    float* x = p.scores + r * p.scores_ld;
+    const int64_t allowed = p.causal ? std::clamp<int64_t>(p.causal_offset + r + 1, 0, p.cols) : p.cols;
+    if (p.mask != nullptr) {
+      at::vec::map2([s = V(p.scale)](V a, V b) { return a * s + b; }, x, x, p.mask + r * p.mask_ld, allowed);
+    } else if (p.scale != 1.f) {
+      at::vec::map([s = V(p.scale)](V a) { return a * s; }, x, x, allowed);
+    }
+    const float block_max =
+        allowed == 0 ? -INFINITY
+                     : at::vec::reduce_all<float>([](V a, V b) { return at::vec::maximum(a, b); }, x, allowed);
+    const float old_max = p.max[r], new_max = std::max(old_max, block_max);
+    if (new_max == -INFINITY) {  // nothing allowed yet: no weight, and no exp(-inf - -inf)
+      std::fill(x, x + p.cols, 0.f);
+      continue;
+    }
+    const float block_sum = exp_and_sum(x, new_max, allowed);
+    std::fill(x + allowed, x + p.cols, 0.f);
+    const float rescale = std::exp(old_max - new_max);  // 0 when old_max is -inf
+    p.sum[r] = p.sum[r] * rescale + block_sum;
+    p.max[r] = new_max;
+    if (rescale != 1.f) {
+      float* acc = p.acc + r * p.acc_ld;
+      at::vec::map([s = V(rescale)](V a) { return a * s; }, acc, acc, p.head_dim);
+    }
+  }
+}
+
+void backward_step(const SoftmaxBackwardRows& p) {
+  using V = Vec<float>;
+  for (int64_t r = 0; r < p.rows; ++r) {
+    float *x = p.scores + r * p.ld, *g = p.grad + r * p.ld;
+    const int64_t allowed = p.causal ? std::clamp<int64_t>(p.causal_offset + r + 1, 0, p.cols) : p.cols;
+    const V lse(p.lse[r]);
+    if (p.mask != nullptr) {
+      at::vec::map2([lse](V a, V m) { return (a + m - lse).exp_u20(); }, x, x, p.mask + r * p.mask_ld, allowed);
+    } else {
+      at::vec::map([lse](V a) { return (a - lse).exp_u20(); }, x, x, allowed);
+    }
+    std::fill(x + allowed, x + p.cols, 0.f);
+    at::vec::map2([delta = V(p.delta[r]), s = V(p.grad_scale)](V prob, V dp) { return prob * (dp - delta) * s; }, g, x,
+                  g, p.cols);
+  }
+}
+
 }  // namespace
 
 void softmax_rows(const SoftmaxRows<float>& p) { run(p); }
 void softmax_rows(const SoftmaxRows<double>& p) { run(p); }
+void online_softmax_rows(const OnlineSoftmaxRows& p) { online_step(p); }
+void softmax_backward_rows(const SoftmaxBackwardRows& p) { backward_step(p); }
 
 }  // namespace torchmha::core::kernel::TORCHMHA_KERNEL_ISA

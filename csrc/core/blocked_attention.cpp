@@ -1,0 +1,377 @@
+// Attention without its weights by blocks of queries and keys (blocked_attention.h).
+
+#include "blocked_attention.h"
+
+#include "cpu_capability.h"
+#include "micro_gemm.h"
+#include "softmax_rows.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+namespace torchmha::core {
+
+std::tuple<Tensor, Tensor> blocked_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const OptionalTensor& mask, bool is_causal) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchmha::blocked_attention", "")
+                       .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                         const OptionalTensor&, bool)>();
+  return op.call(q, k, v, mask, is_causal);
+}
+
+namespace {
+
+// q k^T / sqrt(D) + mask, with keys past the causal limit at -inf: (N, H, L, S).
+Tensor masked_scores(const Tensor& q, const Tensor& k, const OptionalTensor& mask, bool is_causal) {
+  const int64_t L = q.size(2), S = k.size(2);
+  auto scores = at::matmul(q, k.transpose(2, 3)).mul_(1.0 / std::sqrt(static_cast<double>(q.size(3))));
+  if (is_present(mask)) {
+    scores.add_(*mask);
+  }
+  if (is_causal) {
+    scores.masked_fill_(at::ones({L, S}, q.options().dtype(at::kBool)).triu_(1),
+                        -std::numeric_limits<double>::infinity());
+  }
+  return scores;
+}
+
+// The heads in (L, N, H, D) memory, viewed as (N, H, L, D).
+Tensor heads_in_lnhd(const Tensor& heads) {
+  return heads.permute({2, 0, 1, 3}).contiguous().permute({1, 2, 0, 3});
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> blocked_attention_reference(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                       const OptionalTensor& mask, bool is_causal) {
+  const Tensor scores = masked_scores(q, k, mask, is_causal).to(at::kFloat);
+  Tensor lse = at::logsumexp(scores, -1);
+  // A row with no allowed key: zeros (SDPA's), and +inf for its log-sum-exp (the kernel's).
+  lse.masked_fill_(lse == -std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity());
+  const Tensor probabilities = at::exp(scores - lse.unsqueeze(-1)).to(q.scalar_type());
+  return std::make_tuple(heads_in_lnhd(at::matmul(probabilities, v)), lse);
+}
+
+std::tuple<Tensor, Tensor, Tensor> blocked_attention_backward_reference(const Tensor& grad_heads, const Tensor& q,
+                                                                       const Tensor& k, const Tensor& v,
+                                                                       const OptionalTensor& mask, bool is_causal,
+                                                                       const Tensor& heads, const Tensor& lse) {
+  // P from the saved log-sum-exp (0 where it is +inf), then flash attention's backward.
+  const auto f32 = [](const Tensor& t) { return t.to(at::kFloat); };
+  const Tensor scores = masked_scores(f32(q), f32(k), is_present(mask) ? OptionalTensor(f32(*mask)) : mask, is_causal);
+  const Tensor p = at::exp(scores - lse.unsqueeze(-1));
+  const Tensor d_out = f32(grad_heads);
+  const Tensor dp = at::matmul(d_out, f32(v).transpose(2, 3));
+  const Tensor delta = (d_out * f32(heads)).sum(-1, /*keepdim=*/true);
+  const Tensor ds = p * (dp - delta) / std::sqrt(static_cast<double>(q.size(3)));
+  const auto dtype = q.scalar_type();
+  return std::make_tuple(at::matmul(ds, f32(k)).to(dtype), at::matmul(ds.transpose(2, 3), f32(q)).to(dtype),
+                         at::matmul(p.transpose(2, 3), d_out).to(dtype));
+}
+
+std::tuple<Tensor, Tensor, Tensor> blocked_attention_backward_meta(const Tensor& grad_heads, const Tensor& q,
+                                                                  const Tensor& k, const Tensor& v,
+                                                                  const OptionalTensor& mask, bool is_causal,
+                                                                  const Tensor& heads, const Tensor& lse) {
+  (void)grad_heads, (void)mask, (void)is_causal, (void)heads, (void)lse;
+  const auto contiguous = at::MemoryFormat::Contiguous;
+  return std::make_tuple(at::empty_like(q, contiguous), at::empty_like(k, contiguous), at::empty_like(v, contiguous));
+}
+
+// ------------------------------------------------------------------------------ CPU kernel
+namespace {
+
+using micro_gemm::HeadRows;
+using micro_gemm::mask_rows;
+using micro_gemm::matmul;
+using micro_gemm::gemm;
+
+// Query rows per block, and keys per block so that a block's products stay micro-GEMMs
+// (micro_gemm::matmul: up to 2^20 multiply-adds).
+constexpr int64_t kQueryRows = 64;
+int64_t keys_per_block(int64_t rows, int64_t D, int64_t S) {
+  return std::min(S, std::clamp<int64_t>((int64_t(1) << 20) / (rows * D), 16, 256));
+}
+
+// The keys a block of query rows [l0, l0 + rows) reads: all, or up to its last row (causal).
+int64_t keys_read(int64_t l0, int64_t rows, int64_t S, bool is_causal) {
+  return is_causal ? std::min(S, l0 + rows) : S;
+}
+
+void online_softmax_rows(const kernel::OnlineSoftmaxRows& step) {
+  cpu_capability() == Capability::kAvx512 ? kernel::avx512::online_softmax_rows(step)
+                                          : kernel::avx2::online_softmax_rows(step);
+}
+
+void softmax_backward_rows(const kernel::SoftmaxBackwardRows& step) {
+  cpu_capability() == Capability::kAvx512 ? kernel::avx512::softmax_backward_rows(step)
+                                          : kernel::avx2::softmax_backward_rows(step);
+}
+
+// Float32 inputs. Per (sequence, head, block of query rows), over the blocks of keys: the block's
+// scores (one micro-GEMM against K^T), the running softmax, the accumulated P V (another); then
+// the rows divided by their sums.
+void blocked_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
+                              bool is_causal, const Tensor& heads_lnhd, const Tensor& lse) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
+  const int64_t block = std::min(kQueryRows, L), key_block = keys_per_block(block, D, S);
+  const int64_t blocks_per_head = (L + block - 1) / block;
+  const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const HeadRows<float> q_rows(q), k_rows(k), v_rows(v);
+  float* heads_data = heads_lnhd.data_ptr<float>();
+  float* lse_data = lse.data_ptr<float>();
+
+  at::parallel_for(0, N * H * blocks_per_head, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(block * key_block), acc(block * D), max(block), sum(block);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / (H * blocks_per_head), h = task / blocks_per_head % H;
+      const int64_t l0 = task % blocks_per_head * block, rows = std::min(block, L - l0);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(max.begin(), max.end(), -INFINITY);
+      std::fill(sum.begin(), sum.end(), 0.f);
+      int64_t mask_ld = 0;
+      const float* mask_row = mask_rows<float>(mask, n, h, l0, &mask_ld);
+      const int64_t keys = keys_read(l0, rows, S, is_causal);
+      for (int64_t s0 = 0; s0 < keys; s0 += key_block) {
+        const int64_t cols = std::min(key_block, keys - s0);
+        // The scale rides on the GEMM; K is read transposed in place (a copy of K^T cost 15% at L = 128).
+        gemm(false, true, rows, cols, D, scale, q_rows(n, h, l0), q_rows.ld, k_rows(n, h, s0), k_rows.ld, 0.f,
+             scores.data(), key_block);
+        online_softmax_rows({scores.data(), key_block, 1.f, mask_row == nullptr ? nullptr : mask_row + s0, mask_ld,
+                             is_causal, l0 - s0, max.data(), sum.data(), acc.data(), D, D, rows, cols});
+        matmul(rows, D, cols, scores.data(), key_block, v_rows(n, h, s0), v_rows.ld, acc.data(), D,
+               /*accumulate=*/true);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool any = sum[r] > 0.f;
+        const float inverse = any ? 1.f / sum[r] : 0.f;
+        float* out = heads_data + ((l0 + r) * N + n) * H * D + h * D;
+        for (int64_t d = 0; d < D; ++d) {
+          out[d] = acc[r * D + d] * inverse;
+        }
+        lse_data[(n * H + h) * L + l0 + r] = any ? max[r] + std::log(sum[r]) : INFINITY;
+      }
+    }
+  });
+}
+
+// The gradients of q, k and v (float32, contiguous (N, H, len, D), written whole). Per (sequence,
+// head), so that dK and dV accumulate over the query blocks on one thread. Each block of scores is
+// recomputed and its probabilities taken from the saved log-sum-exp, P = exp(x - lse); then
+//   dP = dO V^T,  dS = P (dP - rowsum(dO * O)) / sqrt(D),  dQ += dS K,  dK += dS^T q,  dV += P^T dO.
+void blocked_attention_backward_kernel(const Tensor& grad_heads, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const OptionalTensor& mask, bool is_causal, const Tensor& heads,
+                                       const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
+  const int64_t block = std::min(kQueryRows, L), key_block = keys_per_block(block, D, S);
+  const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const HeadRows<float> q_rows(q), k_rows(k), v_rows(v), o_rows(heads), do_rows(grad_heads);
+  const float* lse_data = lse.const_data_ptr<float>();
+  float *dq_data = dq.data_ptr<float>(), *dk_data = dk.data_ptr<float>(), *dv_data = dv.data_ptr<float>();
+
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(block * key_block), dp(block * key_block), delta(block);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t n = pair / H, h = pair % H;
+      float *dq_nh = dq_data + pair * L * D, *dk_nh = dk_data + pair * S * D, *dv_nh = dv_data + pair * S * D;
+      std::fill(dq_nh, dq_nh + L * D, 0.f);
+      std::fill(dk_nh, dk_nh + S * D, 0.f);
+      std::fill(dv_nh, dv_nh + S * D, 0.f);
+      for (int64_t l0 = 0; l0 < L; l0 += block) {
+        const int64_t rows = std::min(block, L - l0);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float *o = o_rows(n, h, l0 + r), *d_o = do_rows(n, h, l0 + r);
+          delta[r] = std::inner_product(o, o + D, d_o, 0.f);
+        }
+        int64_t mask_ld = 0;
+        const float* mask_row = mask_rows<float>(mask, n, h, l0, &mask_ld);
+        const float* row_lse = lse_data + pair * L + l0;
+        const int64_t keys = keys_read(l0, rows, S, is_causal);
+        for (int64_t s0 = 0; s0 < keys; s0 += key_block) {
+          const int64_t cols = std::min(key_block, keys - s0);
+          gemm(false, true, rows, cols, D, scale, q_rows(n, h, l0), q_rows.ld, k_rows(n, h, s0), k_rows.ld, 0.f,
+               p.data(), key_block);
+          gemm(false, true, rows, cols, D, 1.f, do_rows(n, h, l0), do_rows.ld, v_rows(n, h, s0), v_rows.ld, 0.f,
+               dp.data(), key_block);
+          softmax_backward_rows({p.data(), dp.data(), key_block, mask_row == nullptr ? nullptr : mask_row + s0, mask_ld,
+                                 is_causal, l0 - s0, row_lse, delta.data(), scale, rows, cols});
+          matmul(rows, D, cols, dp.data(), key_block, k_rows(n, h, s0), k_rows.ld, dq_nh + l0 * D, D, true);
+          gemm(true, false, cols, D, rows, 1.f, dp.data(), key_block, q_rows(n, h, l0), q_rows.ld, 1.f, dk_nh + s0 * D,
+               D);
+          gemm(true, false, cols, D, rows, 1.f, p.data(), key_block, do_rows(n, h, l0), do_rows.ld, 1.f, dv_nh + s0 * D,
+               D);
+        }
+      }
+    }
+  });
+}
+
+Tensor float32(const Tensor& t) { return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat); }
+OptionalTensor float32(const OptionalTensor& t) { return is_present(t) ? OptionalTensor(float32(*t)) : t; }
+
+// A mask of fewer dimensions as its broadcast 4-D view (SDPA takes both).
+OptionalTensor mask_4d(const OptionalTensor& mask) {
+  if (!is_present(mask) || mask->dim() >= 4) {
+    return mask;
+  }
+  Tensor view = *mask;
+  while (view.dim() < 4) {
+    view = view.unsqueeze(0);
+  }
+  return view;
+}
+
+}  // namespace
+
+bool blocked_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& any_mask) {
+  const OptionalTensor mask = mask_4d(any_mask);
+  const auto dtype = q.scalar_type();
+  const bool served_dtype = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+  if (!q.device().is_cpu() || !served_dtype || cpu_capability() == Capability::kNone || k.scalar_type() != dtype ||
+      v.scalar_type() != dtype || q.dim() != 4 || q.numel() == 0 || k.dim() != 4 || k.size(2) == 0) {
+    return false;
+  }
+  // Read through raw pointers: shapes that disagree go to the composition, which raises ATen's error.
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
+  if (k.sizes() != at::IntArrayRef{N, H, S, D} || v.sizes() != at::IntArrayRef{N, H, S, D}) {
+    return false;
+  }
+  const auto rows_contiguous = [](const Tensor& t) {
+    return (t.stride(3) == 1 || t.size(3) == 1) && t.stride(2) >= t.size(3);
+  };
+  if (!rows_contiguous(q) || !rows_contiguous(k) || !rows_contiguous(v)) {
+    return false;
+  }
+  if (!is_present(mask)) {
+    return true;
+  }
+  const auto broadcasts = [&](int64_t dim, int64_t size) { return mask->size(dim) == size || mask->size(dim) == 1; };
+  return mask->dim() == 4 && broadcasts(0, N) && broadcasts(1, H) && broadcasts(2, L) && mask->size(3) == S &&
+      mask->stride(3) == 1 && mask->scalar_type() == dtype;
+}
+
+std::tuple<Tensor, Tensor> blocked_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                 const OptionalTensor& mask, bool is_causal) {
+  if (!blocked_kernel_applies(q, k, v, mask)) {
+    return blocked_attention_reference(q, k, v, mask, is_causal);
+  }
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
+  // bfloat16 and float16 are computed in float32 (one conversion each way), the mask included.
+  const Tensor q32 = float32(q), k32 = float32(k), v32 = float32(v);
+  const OptionalTensor mask32 = float32(mask_4d(mask));
+  Tensor heads_lnhd = at::empty({L, N, H, D}, q32.options());
+  Tensor lse = at::empty({N, H, L}, q32.options());
+  blocked_attention_kernel(q32, k32, v32, mask32, is_causal, heads_lnhd, lse);
+  return std::make_tuple(heads_lnhd.to(q.scalar_type()).permute({1, 2, 0, 3}), lse);
+}
+
+std::tuple<Tensor, Tensor, Tensor> blocked_attention_backward_cpu(const Tensor& grad_heads, const Tensor& q,
+                                                                 const Tensor& k, const Tensor& v,
+                                                                 const OptionalTensor& mask, bool is_causal,
+                                                                 const Tensor& heads, const Tensor& lse) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
+  if (!blocked_kernel_applies(q, k, v, mask) || grad_heads.sizes() != q.sizes() || heads.sizes() != q.sizes() ||
+      lse.sizes() != at::IntArrayRef{N, H, L} || lse.scalar_type() != at::kFloat) {
+    return blocked_attention_backward_reference(grad_heads, q, k, v, mask, is_causal, heads, lse);
+  }
+  const auto options = q.options().dtype(at::kFloat);
+  Tensor dq = at::empty(q.sizes(), options), dk = at::empty(k.sizes(), options), dv = at::empty(v.sizes(), options);
+  blocked_attention_backward_kernel(float32(grad_heads).contiguous(), float32(q), float32(k), float32(v),
+                                    float32(mask_4d(mask)), is_causal, float32(heads), lse.contiguous(), dq, dk, dv);
+  const auto dtype = q.scalar_type();
+  return std::make_tuple(dq.to(dtype), dk.to(dtype), dv.to(dtype));
+}
+
+// ------------------------------------------------------------------------------ dispatch rule
+
+bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, bool with_grad) {
+  static const int from_env = [] {
+    const char* value = std::getenv("TORCHMHA_BLOCKED_KERNEL");
+    if (value == nullptr) {
+      return -1;
+    }
+    const std::string text(value);
+    TORCH_CHECK_VALUE(text == "0" || text == "1", "TORCHMHA_BLOCKED_KERNEL must be 0 or 1, but is '", text, "'");
+    return text == "1" ? 1 : 0;
+  }();
+  if (from_env >= 0) {
+    return from_env == 1;
+  }
+  // Measured against SDPA on an AVX-512 CPU without AMX (benchmarks/README, issue 14), time ratios
+  // at head size 64: below 128^2 scores a head SDPA's fixed costs are lower (1.2-1.9x).
+  //  - bfloat16/float16: computed in float32 here, SDPA's reduced-precision GEMMs were slower:
+  //    bfloat16 0.7-0.9 forward, 0.2-0.7 forward+backward. Not where AMX serves SDPA (not measured).
+  //  - float32 causal: 0.66-0.88 forward up to 1024^2, 1.0 beyond; 0.56-0.86 forward+backward.
+  //  - float32 otherwise: forward 1.0-1.1 (SDPA kept); forward+backward 0.63-0.97 up to 512^2 keys
+  //    (the backward recomputes from the log-sum-exp), 1.07 at 2048^2.
+  const int64_t scores = q.size(2) * k.size(2);
+  const auto dtype = q.scalar_type();
+  if (dtype != at::kFloat) {
+    return !cpu_has_amx(dtype) && scores >= 128 * 128;
+  }
+  if (is_causal) {
+    return scores >= 128 * 128;
+  }
+  return with_grad && scores >= 64 * 64 && scores <= 512 * 512;
+}
+
+// ------------------------------------------------------------------------------ autograd
+namespace {
+
+// The CPU kernels as one autograd node: the saved log-sum-exp replaces the (N, H, L, S)
+// probabilities. Under create_graph (double backward) the backward differentiates SDPA's math
+// instead, so higher derivatives work as in torch.
+struct BlockedAttentionFunction : public torch::autograd::Function<BlockedAttentionFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& q,
+                                                const Tensor& k, const Tensor& v, const OptionalTensor& mask,
+                                                bool is_causal) {
+    auto [heads, lse] = blocked_attention(q, k, v, mask, is_causal);
+    ctx->save_for_backward({q, k, v, heads, lse});
+    ctx->saved_data["mask"] = mask;
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->mark_non_differentiable({lse});
+    return {heads, lse};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &heads = saved[3], &lse = saved[4];
+    const OptionalTensor mask = ctx->saved_data["mask"].toOptional<Tensor>();
+    const bool is_causal = ctx->saved_data["is_causal"].toBool();
+    if (at::GradMode::is_enabled()) {
+      auto out = at::_scaled_dot_product_attention_math(q, k, v, mask, 0.0, is_causal);
+      const auto g = torch::autograd::grad({std::get<0>(out)}, {q, k, v}, {grads[0]}, /*retain_graph=*/true,
+                                           /*create_graph=*/true, /*allow_unused=*/true);
+      return {g[0], g[1], g[2], Tensor(), Tensor()};
+    }
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("torchmha::blocked_attention_backward", "")
+                         .typed<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                                   const Tensor&, const OptionalTensor&, bool,
+                                                                   const Tensor&, const Tensor&)>();
+    auto [dq, dk, dv] = op.call(grads[0], q, k, v, mask, is_causal, heads, lse);
+    return {dq, dk, dv, Tensor(), Tensor()};
+  }
+};
+
+}  // namespace
+
+Tensor blocked_attention_differentiable(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
+                                        bool is_causal) {
+  return BlockedAttentionFunction::apply(q, k, v, mask, is_causal)[0];
+}
+
+}  // namespace torchmha::core

@@ -1,0 +1,103 @@
+#pragma once
+
+// The per-head products of torchmha's CPU attention kernels (explicit_attention.cpp,
+// blocked_attention.cpp) on raw pointers, and the pointers they read: rows of a head, rows of a
+// mask. Rows are contiguous (unit stride along the last dimension); the row strides are free.
+
+#include "common.h"
+
+#include <ATen/ATen.h>
+#include <ATen/native/CPUBlas.h>
+
+namespace torchmha::core::micro_gemm {
+
+/// The 2-D (rows, cols) view of row-major data at `data` with row stride `ld`.
+inline Tensor matrix(void* data, int64_t rows, int64_t cols, int64_t ld, const at::TensorOptions& options) {
+  return at::from_blob(data, {rows, cols}, {ld, 1}, options);
+}
+
+/// C (M x N, row stride ldc) = A (M x K, lda) B (K x N, ldb) (+ C with `accumulate`), by ATen's
+/// mm_out/addmm_out on views of the memory.
+template <typename scalar_t>
+void matmul_aten(int64_t M, int64_t N, int64_t K, const scalar_t* A, int64_t lda, const scalar_t* B, int64_t ldb,
+                 scalar_t* C, int64_t ldc, bool accumulate = false) {
+  const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<scalar_t>::value);
+  Tensor c = matrix(C, M, N, ldc, options);
+  const Tensor a = matrix(const_cast<scalar_t*>(A), M, K, lda, options);
+  const Tensor b = matrix(const_cast<scalar_t*>(B), K, N, ldb, options);
+  accumulate ? at::addmm_out(c, c, a, b) : at::mm_out(c, a, b);
+}
+
+/// The same. float, small products: the CPU BLAS's batch-reduce GEMM on raw pointers (oneDNN's
+/// micro-kernel where ATen has it, else its GEMM), about 0.3 us a call against 1.1-1.5 us for
+/// mm_out at 16 x 16 x 64, equal at 128 x 128 x 64. Larger ones stay with mm_out: brgemm does not
+/// pack B, and over a strided V of 2048 keys it measured 1.75x slower (560 against 320 us).
+inline void matmul(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+                   int64_t ldc, bool accumulate = false) {
+  if (M * N * K <= (int64_t(1) << 20)) {
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, /*is_vnni=*/false);
+  } else {
+    matmul_aten(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+  }
+}
+
+inline void matmul(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb,
+                   double* C, int64_t ldc, bool accumulate = false) {
+  matmul_aten(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+}
+
+// The Fortran BLAS GEMM that torch's CPU BLAS wraps (at::native::cpublas::gemm, which
+// libtorch does not export); libtorch_cpu exports its MKL's. Weak: where the symbol is absent the
+// products below take ATen's addmm_out on transposed views instead.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc) __attribute__((weak));
+
+/// Row-major C (M x N, ldc) = alpha op(A) op(B) + beta C, op(A) M x K and op(B) K x N, with A
+/// (lda) and B (ldb) read transposed in place where asked: the BLAS's GEMM (column-major, so it
+/// computes C^T = op(B)^T op(A)^T).
+inline void gemm(bool transpose_a, bool transpose_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                 int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (sgemm_ != nullptr) {
+    const char ta = transpose_a ? 'T' : 'N', tb = transpose_b ? 'T' : 'N';
+    const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
+    const int ld_a = static_cast<int>(lda), ld_b = static_cast<int>(ldb), ld_c = static_cast<int>(ldc);
+    sgemm_(&tb, &ta, &m, &n, &k, &alpha, B, &ld_b, A, &ld_a, &beta, C, &ld_c);
+    return;
+  }
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  const auto operand = [&](const float* data, int64_t rows, int64_t cols, int64_t ld, bool transpose) {
+    const Tensor t = matrix(const_cast<float*>(data), transpose ? cols : rows, transpose ? rows : cols, ld, options);
+    return transpose ? t.t() : t;
+  };
+  Tensor c = matrix(C, M, N, ldc, options);
+  at::addmm_out(c, c, operand(A, M, K, lda, transpose_a), operand(B, K, N, ldb, transpose_b), beta, alpha);
+}
+
+/// Rows of a (N, H, len, D) tensor with unit stride along D: row l of head (n, h).
+template <typename scalar_t>
+struct HeadRows {
+  const scalar_t* data;
+  int64_t stride_n, stride_h, ld;
+
+  explicit HeadRows(const Tensor& t)
+      : data(t.const_data_ptr<scalar_t>()), stride_n(t.stride(0)), stride_h(t.stride(1)), ld(t.stride(2)) {}
+  const scalar_t* operator()(int64_t n, int64_t h, int64_t l = 0) const {
+    return data + n * stride_n + h * stride_h + l * ld;
+  }
+};
+
+/// One row (n, h, l) of a mask broadcastable to (N, H, L, S), or null; `ld` gets the stride
+/// between rows l (0: broadcast).
+template <typename scalar_t>
+const scalar_t* mask_rows(const OptionalTensor& mask, int64_t n, int64_t h, int64_t l, int64_t* ld) {
+  if (!is_present(mask)) {
+    *ld = 0;
+    return nullptr;
+  }
+  const auto stride = [&](int64_t d) { return mask->size(d) == 1 ? 0 : mask->stride(d); };
+  *ld = stride(2);
+  return mask->const_data_ptr<scalar_t>() + n * stride(0) + h * stride(1) + l * stride(2);
+}
+
+}  // namespace torchmha::core::micro_gemm
