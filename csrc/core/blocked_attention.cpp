@@ -311,15 +311,16 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
   }
   // Measured against SDPA on an AVX-512 CPU without AMX (benchmarks/README, issue 14), time ratios
   // at head size 64: below 128^2 scores a head SDPA's fixed costs are lower (1.2-1.9x).
-  //  - bfloat16/float16: computed in float32 here, SDPA's reduced-precision GEMMs were slower:
-  //    bfloat16 0.7-0.9 forward, 0.2-0.7 forward+backward. Not where AMX serves SDPA (not measured).
+  //  - bfloat16: computed in float32 here, SDPA's bfloat16 GEMMs were slower: 0.7-0.9 forward,
+  //    0.2-0.7 forward+backward. float16: forward 0.9-1.2 (SDPA kept: this CPU has AVX512-FP16),
+  //    forward+backward 0.1-0.9 from 16^2. Not where AMX serves SDPA (not measured).
   //  - float32 causal: 0.66-0.88 forward up to 1024^2, 1.0 beyond; 0.56-0.86 forward+backward.
   //  - float32 otherwise: forward 1.0-1.1 (SDPA kept); forward+backward 0.63-0.97 up to 512^2 keys
   //    (the backward recomputes from the log-sum-exp), 1.07 at 2048^2.
   const int64_t scores = q.size(2) * k.size(2);
   const auto dtype = q.scalar_type();
-  if (dtype != at::kFloat) {
-    return !cpu_has_amx(dtype) && scores >= 128 * 128;
+  if (dtype == at::kBFloat16 || dtype == at::kHalf) {
+    return !cpu_has_amx(dtype) && (dtype == at::kHalf ? with_grad : scores >= 128 * 128);
   }
   if (is_causal) {
     return scores >= 128 * 128;
