@@ -315,8 +315,9 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
   //    0.2-0.7 forward+backward. float16: forward 0.9-1.2 (SDPA kept: this CPU has AVX512-FP16),
   //    forward+backward 0.1-0.9 from 16^2. Not where AMX serves SDPA (not measured).
   //  - float32 causal: 0.66-0.88 forward up to 1024^2, 1.0 beyond; 0.56-0.86 forward+backward.
-  //  - float32 otherwise: forward 1.0-1.1 (SDPA kept); forward+backward 0.63-0.97 up to 512^2 keys
-  //    (the backward recomputes from the log-sum-exp), 1.07 at 2048^2.
+  //  - float32 otherwise: forward 0.81-0.99 at 128^2 (four runs), 0.94-1.04 at 256^2, 0.93-1.14 at
+  //    512^2, 1.0-1.2 beyond (SDPA kept there); forward+backward 0.63-0.97 up to 512^2 (the backward
+  //    recomputes from the log-sum-exp), 1.07-1.22 at 2048^2.
   const int64_t scores = q.size(2) * k.size(2);
   const auto dtype = q.scalar_type();
   if (dtype == at::kBFloat16 || dtype == at::kHalf) {
@@ -325,7 +326,7 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
   if (is_causal) {
     return scores >= 128 * 128;
   }
-  return with_grad && scores >= 64 * 64 && scores <= 512 * 512;
+  return with_grad ? scores >= 64 * 64 && scores <= 512 * 512 : scores >= 128 * 128 && scores <= 256 * 256;
 }
 
 // ------------------------------------------------------------------------------ autograd
