@@ -68,6 +68,7 @@ std::tuple<Tensor, Tensor> attention_with_weights_reference(const Tensor& q, con
 // ------------------------------------------------------------------------------ CPU kernel
 namespace {
 
+using micro_gemm::gemm;
 using micro_gemm::HeadRows;
 using micro_gemm::mask_rows;
 using micro_gemm::matmul;
@@ -142,50 +143,53 @@ void explicit_attention_backward_kernel(const Tensor& q, const Tensor& k, const 
                                         const Tensor& dq, const Tensor& dk, const Tensor& dv) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
   const int64_t block = std::min(rows_in_buffer(S, sizeof(scalar_t)), L);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const auto scale = static_cast<scalar_t>(1.0 / std::sqrt(static_cast<double>(D)));
   const bool avx512 = cpu_capability() == Capability::kAvx512;
   const auto options = q.options();
   const bool with_heads = grad_heads.defined(), with_weights = grad_weights.defined();
+  const HeadRows<scalar_t> q_rows(q), k_rows(k), v_rows(v);
+  const scalar_t* d_out_data = with_heads ? grad_heads.const_data_ptr<scalar_t>() : nullptr;  // contiguous
+  const scalar_t* dw_data = with_weights ? grad_weights.const_data_ptr<scalar_t>() : nullptr;  // contiguous
+  scalar_t *dq_data = dq.data_ptr<scalar_t>(), *dk_data = dk.data_ptr<scalar_t>(), *dv_data = dv.data_ptr<scalar_t>();
 
   at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
     at::NoGradGuard no_grad;  // (as in the forward kernel)
     std::vector<scalar_t> probabilities(block * S), grad_probabilities(block * S), grad_scores(block * S);
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t n = pair / H, h = pair % H;
+      scalar_t *dk_nh = dk_data + pair * S * D, *dv_nh = dv_data + pair * S * D;
       for (int64_t l0 = 0; l0 < L; l0 += block) {
         const int64_t rows = std::min(block, L - l0);
-        const bool first = l0 == 0;
-        const Tensor q_rows = q[n][h].narrow(0, l0, rows);
-        Tensor p = matrix(probabilities.data(), rows, S, S, options);
-        at::addmm_out(p, p, q_rows, k[n][h].t(), /*beta=*/0, scale);
+        const scalar_t keep = l0 == 0 ? 0 : 1;  // beta: dK and dV accumulate over the blocks
+        scalar_t *p = probabilities.data(), *dp = grad_probabilities.data();
+        gemm<scalar_t>(false, true, rows, S, D, scale, q_rows(n, h, l0), q_rows.ld, k_rows(n, h), k_rows.ld, 0, p, S);
         int64_t mask_ld = 0;
         const scalar_t* mask_row = mask_rows<scalar_t>(mask, n, h, l0, &mask_ld);
-        const kernel::SoftmaxRows<scalar_t> step{probabilities.data(), S, 1, mask_row, mask_ld, nullptr, 0, false,
-                                                 1, rows, S};
+        const kernel::SoftmaxRows<scalar_t> step{p, S, 1, mask_row, mask_ld, nullptr, 0, false, 1, rows, S};
         avx512 ? kernel::avx512::softmax_rows(step) : kernel::avx2::softmax_rows(step);
 
-        Tensor dp = matrix(grad_probabilities.data(), rows, S, S, options);
-        if (with_weights) {
-          const Tensor dw = average ? grad_weights[n].narrow(0, l0, rows) : grad_weights[n][h].narrow(0, l0, rows);
-          at::mul_out(dp, dw, at::Scalar(average ? 1.0 / H : 1.0));
+        if (with_weights) {  // dW, or dW / H for the average
+          const scalar_t* dw = dw_data + ((average ? n : pair) * L + l0) * S;
+          const scalar_t factor = average ? scalar_t(1) / H : scalar_t(1);
+          std::transform(dw, dw + rows * S, dp, [factor](scalar_t x) { return x * factor; });
         }
-        if (with_heads) {
-          const Tensor d_out = grad_heads[n][h].narrow(0, l0, rows);
-          at::addmm_out(dp, dp, d_out, v[n][h].t(), /*beta=*/with_weights ? 1 : 0, 1);
-          Tensor dv_nh = dv[n][h];
-          at::addmm_out(dv_nh, dv_nh, p.t(), d_out, /*beta=*/first ? 0 : 1, 1);
+        if (with_heads) {  // + dO v^T; dV += P^T dO
+          const scalar_t* d_out = d_out_data + (pair * L + l0) * D;
+          gemm<scalar_t>(false, true, rows, S, D, 1, d_out, D, v_rows(n, h), v_rows.ld, with_weights ? 1 : 0, dp, S);
+          gemm<scalar_t>(true, false, S, D, rows, 1, p, S, d_out, D, keep, dv_nh, D);
         } else if (!with_weights) {
-          dp.zero_();
+          std::fill(dp, dp + rows * S, scalar_t(0));
         }
         Tensor ds = matrix(grad_scores.data(), rows, S, S, options);
-        at::_softmax_backward_data_out(ds, dp, p, 1, q.scalar_type());
-        Tensor dq_rows = dq[n][h].narrow(0, l0, rows);
-        at::addmm_out(dq_rows, dq_rows, ds, k[n][h], /*beta=*/0, scale);
-        Tensor dk_nh = dk[n][h];
-        at::addmm_out(dk_nh, dk_nh, ds.t(), q_rows, /*beta=*/first ? 0 : 1, scale);
+        at::_softmax_backward_data_out(ds, matrix(dp, rows, S, S, options), matrix(p, rows, S, S, options), 1,
+                                       q.scalar_type());
+        gemm<scalar_t>(false, false, rows, D, S, scale, grad_scores.data(), S, k_rows(n, h), k_rows.ld, 0,
+                       dq_data + (pair * L + l0) * D, D);
+        gemm<scalar_t>(true, false, S, D, rows, scale, grad_scores.data(), S, q_rows(n, h, l0), q_rows.ld, keep, dk_nh,
+                       D);
       }
       if (!with_heads) {
-        dv[n][h].zero_();
+        std::fill(dv_nh, dv_nh + S * D, scalar_t(0));
       }
     }
   });

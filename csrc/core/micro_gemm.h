@@ -9,6 +9,8 @@
 #include <ATen/ATen.h>
 #include <ATen/native/CPUBlas.h>
 
+#include <type_traits>
+
 namespace torchmha::core::micro_gemm {
 
 /// The 2-D (rows, cols) view of row-major data at `data` with row stride `ld`.
@@ -46,28 +48,41 @@ inline void matmul(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda
   matmul_aten(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
 
-// The Fortran BLAS GEMM that torch's CPU BLAS wraps (at::native::cpublas::gemm, which
-// libtorch does not export); libtorch_cpu exports its MKL's. Weak: where the symbol is absent the
-// products below take ATen's addmm_out on transposed views instead.
+// The Fortran BLAS GEMMs that torch's CPU BLAS wraps (at::native::cpublas::gemm, which libtorch
+// does not export); libtorch_cpu exports its MKL's. Weak: where a symbol is absent the products
+// below take ATen's addmm_out on transposed views instead.
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                        const float* beta, float* c, const int* ldc) __attribute__((weak));
+extern "C" void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const double* alpha, const double* a, const int* lda, const double* b, const int* ldb,
+                       const double* beta, double* c, const int* ldc) __attribute__((weak));
 
 /// Row-major C (M x N, ldc) = alpha op(A) op(B) + beta C, op(A) M x K and op(B) K x N, with A
 /// (lda) and B (ldb) read transposed in place where asked: the BLAS's GEMM (column-major, so it
-/// computes C^T = op(B)^T op(A)^T).
-inline void gemm(bool transpose_a, bool transpose_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
-                 int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  if (sgemm_ != nullptr) {
+/// computes C^T = op(B)^T op(A)^T). beta = 0 ignores what C held.
+template <typename scalar_t>
+void gemm(bool transpose_a, bool transpose_b, int64_t M, int64_t N, int64_t K, scalar_t alpha, const scalar_t* A,
+          int64_t lda, const scalar_t* B, int64_t ldb, scalar_t beta, scalar_t* C, int64_t ldc) {
+  constexpr bool is_float = std::is_same_v<scalar_t, float>;
+  static_assert(is_float || std::is_same_v<scalar_t, double>, "float or double");
+  const auto blas = [] {
+    if constexpr (is_float) {
+      return sgemm_;
+    } else {
+      return dgemm_;
+    }
+  }();
+  if (blas != nullptr) {
     const char ta = transpose_a ? 'T' : 'N', tb = transpose_b ? 'T' : 'N';
     const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
     const int ld_a = static_cast<int>(lda), ld_b = static_cast<int>(ldb), ld_c = static_cast<int>(ldc);
-    sgemm_(&tb, &ta, &m, &n, &k, &alpha, B, &ld_b, A, &ld_a, &beta, C, &ld_c);
+    blas(&tb, &ta, &m, &n, &k, &alpha, B, &ld_b, A, &ld_a, &beta, C, &ld_c);
     return;
   }
-  const auto options = at::TensorOptions().dtype(at::kFloat);
-  const auto operand = [&](const float* data, int64_t rows, int64_t cols, int64_t ld, bool transpose) {
-    const Tensor t = matrix(const_cast<float*>(data), transpose ? cols : rows, transpose ? rows : cols, ld, options);
+  const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<scalar_t>::value);
+  const auto operand = [&](const scalar_t* data, int64_t rows, int64_t cols, int64_t ld, bool transpose) {
+    const Tensor t = matrix(const_cast<scalar_t*>(data), transpose ? cols : rows, transpose ? rows : cols, ld, options);
     return transpose ? t.t() : t;
   };
   Tensor c = matrix(C, M, N, ldc, options);

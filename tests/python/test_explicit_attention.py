@@ -124,6 +124,18 @@ def test_gradients_match_torch(c):
     """In training (dropout 0) the kernels run as one autograd node whose backward recomputes the
     probabilities block by block: the output, the weights and every gradient (inputs and
     parameters) are torch's."""
+    assert_gradients_match_torch(c)
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_gradients_over_many_row_blocks(average):
+    """4096 keys make row blocks of 32 rows in double: dK and dV add up over four blocks."""
+    c = dict(N=2, H=2, D=8, L=100, S=4096, dtype=torch.float64, average=average, batch_first=False, mask="padding",
+             use="output and weights")
+    assert_gradients_match_torch(c)
+
+
+def assert_gradients_match_torch(c):
     N, H, L, S, E, dtype = c["N"], c["H"], c["L"], c["S"], c["H"] * c["D"], c["dtype"]
     ref, ours = mha_pair(E, H, dtype=dtype)
     query, key = torch.randn(L, N, E, dtype=dtype), torch.randn(S, N, E, dtype=dtype)
