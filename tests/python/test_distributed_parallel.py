@@ -46,6 +46,9 @@ def _entry(rank, world_size, port, worker, args):
     )
     try:
         worker(rank, world_size, *args)
+        # No rank tears the group down while a peer may still be finishing its last collective
+        # (a rank that did so once left its peer to abort in gloo: SIGABRT, under load).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
