@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import torchmha
+from helpers import finish_rank
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -102,8 +103,10 @@ def _worker(rank, port, wrapper):
                 torch.testing.assert_close(actual[name], expected[name], **TOLERANCE, msg=f"step {step} grad {name}")
         for name in expected_parameters:
             torch.testing.assert_close(parameters[name], expected_parameters[name], **TOLERANCE, msg=f"parameter {name}")
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    finish_rank()
 
 
 def _free_loopback_port():

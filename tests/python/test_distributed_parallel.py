@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import torchmha
+from helpers import finish_rank
 
 pytestmark = [
     pytest.mark.slow,
@@ -46,11 +47,10 @@ def _entry(rank, world_size, port, worker, args):
     )
     try:
         worker(rank, world_size, *args)
-        # No rank tears the group down while a peer may still be finishing its last collective
-        # (a rank that did so once left its peer to abort in gloo: SIGABRT, under load).
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    finish_rank()
 
 
 def _spawn(worker, world_size, *args):
