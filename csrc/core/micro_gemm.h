@@ -9,6 +9,8 @@
 #include <ATen/ATen.h>
 #include <ATen/native/CPUBlas.h>
 
+#include <algorithm>
+#include <limits>
 #include <type_traits>
 
 namespace torchmha::core::micro_gemm {
@@ -73,7 +75,9 @@ void gemm(bool transpose_a, bool transpose_b, int64_t M, int64_t N, int64_t K, s
       return dgemm_;
     }
   }();
-  if (blas != nullptr) {
+  // The Fortran interface takes int sizes: anything larger goes to ATen.
+  const int64_t largest = std::max({M, N, K, lda, ldb, ldc});
+  if (blas != nullptr && largest <= std::numeric_limits<int>::max()) {
     const char ta = transpose_a ? 'T' : 'N', tb = transpose_b ? 'T' : 'N';
     const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
     const int ld_a = static_cast<int>(lda), ld_b = static_cast<int>(ldb), ld_c = static_cast<int>(ldc);

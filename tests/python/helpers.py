@@ -132,6 +132,20 @@ def assert_same_behaviour(ref_fn, our_fn, context="", ref_without_empty_masks=No
     return got
 
 
+# ------------------------------------------------------------------------ environment settings
+def run_python_with(code: str, set_env=None, unset=()):
+    """Runs `code` in a fresh interpreter with environment variables set and unset (torchmha reads
+    its settings once per process) and asserts it succeeded."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env.update(set_env or {})
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-1000:] + result.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------ distributed ranks
 def finish_rank(group_ready: bool = True):
     """The end of a spawned rank whose test passed: a barrier (no rank tears the group down while

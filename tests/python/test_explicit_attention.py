@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import assert_close, mha_pair
+from helpers import assert_close, mha_pair, run_python_with
 
 HEAD_DIMS = (1, 3, 7, 8, 16, 80, 128)
 MASKS = ("none", "bool attn_mask", "float attn_mask", "3-D attn_mask", "padding", "padding and attn_mask",
@@ -217,10 +217,6 @@ def test_the_kernels_serve_float_at_every_size_and_double_from_2_to_the_17_score
     """The suite runs the kernels at every size (conftest.py). Without that setting float takes
     them at every size, and double only from 2^17 scores a head: below, its per-head ATen products
     cost more than the composition's batched GEMMs."""
-    import os
-    import subprocess
-    import sys
-
     code = """
 import torch, torchmha
 for dtype, length, expected in ((torch.float64, 16, False), (torch.float64, 400, True), (torch.float32, 2, True)):
@@ -231,16 +227,10 @@ for dtype, length, expected in ((torch.float64, 16, False), (torch.float64, 400,
     ran = any(e.name == "torchmha::attention_with_weights" for e in prof.events())
     assert ran == expected, (dtype, length, ran)
 """
-    env = {k: v for k, v in os.environ.items() if k != "TORCHMHA_MIN_KERNEL_SCORES"}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_python_with(code, unset=("TORCHMHA_MIN_KERNEL_SCORES",))
 
 
 def test_a_malformed_threshold_is_a_clear_error():
-    import os
-    import subprocess
-    import sys
-
     code = """
 import torch, torchmha
 m = torchmha.MultiheadAttention(8, 1).eval()
@@ -252,6 +242,4 @@ except ValueError as error:
 else:
     raise AssertionError("no error")
 """
-    env = dict(os.environ, TORCHMHA_MIN_KERNEL_SCORES="2e5")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_python_with(code, set_env={"TORCHMHA_MIN_KERNEL_SCORES": "2e5"})
