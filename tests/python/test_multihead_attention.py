@@ -423,6 +423,36 @@ def test_replace_keeps_parameters_and_optimizer():
     assert torchmha.replace_multihead_attention(model) == 0, "already swapped"
 
 
+class _Scaled(torch.nn.Module):
+    """A parametrization: the stored tensor times 1.5."""
+
+    def forward(self, x):
+        return 1.5 * x
+
+
+@pytest.mark.parametrize("config", [dict(add_bias_kv=True), dict(kdim=5, vdim=3)])
+def test_parametrized_weights_are_read_as_torch_reads_them(config):
+    """forward reads registered parameters from the module's dicts (nn.Module.__getattr__ is slow);
+    a parametrized weight is a property instead and must still be the one used."""
+    import torch.nn.utils.parametrize as parametrize
+
+    ref, ours = mha_pair(8, 2, **config)
+    for module in (ref, ours):
+        names = ["q_proj_weight", "v_proj_weight"] if "kdim" in config else ["in_proj_weight", "bias_k"]
+        for name in names:
+            parametrize.register_parametrization(module, name, _Scaled())
+        parametrize.register_parametrization(module.out_proj, "weight", _Scaled())
+    query, key, value = torch.randn(4, 2, 8, dtype=torch.float64), torch.randn(5, 2, ref.kdim, dtype=torch.float64), \
+        torch.randn(5, 2, ref.vdim, dtype=torch.float64)
+    expected, got = ref(query, key, value), ours(query, key, value)
+    assert_close(got[0], expected[0])
+    assert_close(got[1], expected[1])
+    expected[0].sum().backward()
+    got[0].sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        assert_close(b.grad, a.grad, msg=name)
+
+
 # ------------------------------------------------------------------------- numerics at edges
 @pytest.mark.parametrize("need_weights", [True, False])
 @pytest.mark.parametrize("shape", [(1, 1, 1), (1, 3, 1), (5, 2, 1), (1, 2, 7)])
