@@ -104,7 +104,7 @@ void explicit_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v
   const bool avx512 = cpu_capability() == Capability::kAvx512;
   // K^T of every head, (N, H, D, S), once (the micro-GEMMs take no transpose): per head and block
   // of rows, a scalar transpose of strided keys cost more than the GEMMs at L = 2048.
-  const Tensor keys_t = k.transpose(2, 3).contiguous();
+  const Tensor keys_t = micro_gemm::transposed_heads<scalar_t>(k);
   const HeadRows<scalar_t> q_rows(q), kt_rows(keys_t), v_rows(v);
   scalar_t* weights_data = weights.data_ptr<scalar_t>();
   scalar_t* heads_data = heads_lnhd.data_ptr<scalar_t>();

@@ -12,10 +12,11 @@ namespace {
 const char* const kWeightNames[3] = {"q_proj_weight", "k_proj_weight", "v_proj_weight"};
 const char* const kPartNames[3] = {"query", "key", "value"};
 
-// Rows [first * inner, (first + parts) * inner) of the packed weight or bias.
+// Rows [first * inner, (first + parts) * inner) of the packed weight or bias (all three parts:
+// the tensor itself, as a narrow costs a dispatch and a view).
 OptionalTensor packed_rows(const OptionalTensor& packed, int first, int parts, int64_t inner) {
-  if (!is_present(packed)) {
-    return std::nullopt;
+  if (!is_present(packed) || parts == 3) {
+    return packed;
   }
   return packed->narrow(0, first * inner, parts * inner);
 }
@@ -133,7 +134,7 @@ std::vector<ProjectionGroup> project(
     if (!inputs[first]->defined()) {
       continue;
     }
-    const Tensor weight = w.packed() ? w.packed_weight->narrow(0, first * inner, parts * inner) : *w.weights[first];
+    const Tensor weight = w.packed() ? *packed_rows(w.packed_weight, first, parts, inner) : *w.weights[first];
     groups.push_back(
         {first, parts, linear_in_torch_layout(*inputs[first], weight, bias_of(w, first, parts, inner), batch_first)});
   }
