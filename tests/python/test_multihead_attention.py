@@ -453,6 +453,20 @@ def test_parametrized_weights_are_read_as_torch_reads_them(config):
         assert_close(b.grad, a.grad, msg=name)
 
 
+def test_functional_call_and_func_grad_use_the_given_parameters():
+    """torch.func.functional_call swaps tensors into the module's _parameters for the call."""
+    from torch.func import functional_call, grad
+
+    ref, ours = mha_pair(8, 2)
+    params = {name: 1.3 * p.detach() for name, p in ref.named_parameters()}
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    for got, expected in zip(functional_call(ours, params, (x, x, x)), functional_call(ref, params, (x, x, x))):
+        assert_close(got, expected)
+    grads = [grad(lambda p, m=m: functional_call(m, p, (x, x, x))[0].sum())(params) for m in (ref, ours)]
+    for name in params:
+        assert_close(grads[1][name], grads[0][name], msg=name)
+
+
 # ------------------------------------------------------------------------- numerics at edges
 @pytest.mark.parametrize("need_weights", [True, False])
 @pytest.mark.parametrize("shape", [(1, 1, 1), (1, 3, 1), (5, 2, 1), (1, 2, 7)])
