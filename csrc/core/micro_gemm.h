@@ -109,7 +109,8 @@ struct HeadRows {
 
 /// Every head of a (N, H, len, D) tensor with unit stride along D, transposed: (N, H, D, len),
 /// contiguous. A loop in tiles of 16 rows: ATen's strided copy costs about 30k instructions of
-/// setup, as much as the whole attention of a 16-token call.
+/// setup, as much as the whole attention of a 16-token call (the explicit-weights op at 1 x 4 x 16
+/// x 64: 0.8x the time with the loop; equal or 0.9x at 128-2048 keys, in alternated rounds).
 template <typename scalar_t>
 Tensor transposed_heads(const Tensor& t) {
   const int64_t N = t.size(0), H = t.size(1), len = t.size(2), D = t.size(3);
