@@ -94,26 +94,19 @@ class MultiheadAttention(nn.MultiheadAttention):
 
         Returns the output only, laid out like ``query``.
         """
-        if isinstance(cache, KeyValueCache):
+        in_w, in_b, bias_k, bias_v, q_w, k_w, v_w, out_w, out_b = _parameters_of(self)
+        if isinstance(cache, KeyValueCache):  # (positional, as in forward: one call a token)
             return ops.attention_with_cache(
-                query=query, k_cache=cache.keys, v_cache=cache.values, lengths=cache.lengths,
-                num_heads=self.num_heads, in_proj_weight=self.in_proj_weight, in_proj_bias=self.in_proj_bias,
-                out_proj_weight=self.out_proj.weight, out_proj_bias=self.out_proj.bias,
-                key_padding_mask=key_padding_mask, dropout_p=self.dropout, training=self.training,
-                batch_first=self.batch_first, q_proj_weight=self.q_proj_weight, k_proj_weight=self.k_proj_weight,
-                v_proj_weight=self.v_proj_weight, bias_k=self.bias_k, bias_v=self.bias_v,
-                add_zero_attn=self.add_zero_attn, new_lengths=new_lengths,
+                query, cache.keys, cache.values, cache.lengths, self.num_heads, in_w, in_b, out_w, out_b,
+                key_padding_mask, self.dropout, self.training, self.batch_first, q_w, k_w, v_w, bias_k, bias_v,
+                self.add_zero_attn, new_lengths,
             )
         if new_lengths is not None:
             raise ValueError("forward_with_cache: new_lengths is for a KeyValueCache")
         if isinstance(cache, StaticKeyValue):
             return ops.attention_with_static_key_value(
-                query=query, keys=cache.keys, values=cache.values, num_heads=self.num_heads,
-                in_proj_weight=self.in_proj_weight, in_proj_bias=self.in_proj_bias,
-                out_proj_weight=self.out_proj.weight, out_proj_bias=self.out_proj.bias,
-                key_padding_mask=key_padding_mask, dropout_p=self.dropout, training=self.training,
-                batch_first=self.batch_first, q_proj_weight=self.q_proj_weight, bias_k=self.bias_k,
-                bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
+                query, cache.keys, cache.values, self.num_heads, in_w, in_b, out_w, out_b, key_padding_mask,
+                self.dropout, self.training, self.batch_first, q_w, bias_k, bias_v, self.add_zero_attn,
             )
         cache_type = f"{type(cache).__module__}.{type(cache).__qualname__}"
         raise TypeError(
