@@ -107,35 +107,6 @@ struct HeadRows {
   }
 };
 
-/// Every head of a (N, H, len, D) tensor with unit stride along D, transposed: (N, H, D, len),
-/// contiguous. A loop in tiles of 16 rows: ATen's strided copy costs about 30k instructions of
-/// setup, as much as the whole attention of a 16-token call (the explicit-weights op at 1 x 4 x 16
-/// x 64: 0.8x the time with the loop; equal or 0.9x at 128-2048 keys, in alternated rounds).
-template <typename scalar_t>
-Tensor transposed_heads(const Tensor& t) {
-  const int64_t N = t.size(0), H = t.size(1), len = t.size(2), D = t.size(3);
-  Tensor out = at::empty({N, H, D, len}, t.options());
-  const HeadRows<scalar_t> rows(t);
-  scalar_t* out_data = out.data_ptr<scalar_t>();
-  constexpr int64_t kTile = 16;  // rows per pass: one 64-byte line of each output row (float)
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, len * D));
-  at::parallel_for(0, N * H, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const scalar_t* src = rows(pair / H, pair % H);
-      scalar_t* dst = out_data + pair * D * len;
-      for (int64_t l0 = 0; l0 < len; l0 += kTile) {
-        const int64_t l1 = std::min(len, l0 + kTile);
-        for (int64_t d = 0; d < D; ++d) {
-          for (int64_t l = l0; l < l1; ++l) {
-            dst[d * len + l] = src[l * rows.ld + d];
-          }
-        }
-      }
-    }
-  });
-  return out;
-}
-
 /// One row (n, h, l) of a mask broadcastable to (N, H, L, S), or null; `ld` gets the stride
 /// between rows l (0: broadcast).
 template <typename scalar_t>
