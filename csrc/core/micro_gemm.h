@@ -7,7 +7,6 @@
 #include "common.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>

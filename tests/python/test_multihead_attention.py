@@ -442,8 +442,8 @@ def test_parametrized_weights_are_read_as_torch_reads_them(config):
         for name in names:
             parametrize.register_parametrization(module, name, _Scaled())
         parametrize.register_parametrization(module.out_proj, "weight", _Scaled())
-    query, key, value = torch.randn(4, 2, 8, dtype=torch.float64), torch.randn(5, 2, ref.kdim, dtype=torch.float64), \
-        torch.randn(5, 2, ref.vdim, dtype=torch.float64)
+    query = torch.randn(4, 2, 8, dtype=torch.float64)
+    key, value = (torch.randn(5, 2, size, dtype=torch.float64) for size in (ref.kdim, ref.vdim))
     expected, got = ref(query, key, value), ours(query, key, value)
     assert_close(got[0], expected[0])
     assert_close(got[1], expected[1])
