@@ -112,7 +112,7 @@ std::pair<Tensor, Tensor> attend_with_weights(const Tensor& q, const Tensor& k, 
   // left to the composition too (the kernels' backward gives none), and so are small heads.
   const Tensor mask_or_none = is_present(mask) ? *mask : Tensor();
   if (dropout_p > 0.0 || transformed({q, k, v, mask_or_none}) || records_grad({mask_or_none}) ||
-      !explicit_kernel_pays_off(q.size(2), k.size(2), q.scalar_type())) {
+      !explicit_kernel_pays_off(q.size(2), k.size(2))) {
     return attention_with_weights_composition(q, k, v, mask, dropout_p, average);
   }
   if (!records_grad({q, k, v})) {

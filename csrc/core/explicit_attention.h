@@ -39,11 +39,10 @@ std::pair<Tensor, Tensor> attention_with_weights_differentiable(const Tensor& q,
 bool explicit_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask);
 /// Whether the CPU kernels serve this device and dtype (CPU, float or double, AVX2/AVX-512).
 bool explicit_kernel_serves(const at::Device& device, at::ScalarType dtype);
-/// Whether a head's L x S scores are many enough for the kernels to beat the composition's batched
-/// GEMMs: every size in float; from 2^17 in double, whose per-head products go through ATen. The
-/// threshold is TORCHMHA_MIN_KERNEL_SCORES if set (the tests run the kernels at every size; a
-/// large value keeps the composition, for comparisons).
-bool explicit_kernel_pays_off(int64_t L, int64_t S, at::ScalarType dtype);
+/// Whether a head's L x S scores are many enough for the kernels: every size (they beat or tie the
+/// composition's batched GEMMs at every size measured), unless TORCHMHA_MIN_KERNEL_SCORES sets a
+/// threshold (a large value keeps the composition, for comparisons).
+bool explicit_kernel_pays_off(int64_t L, int64_t S);
 
 /// The op's kernels: the composition without dropout (any device), and torchmha's CPU kernel
 /// (float and double on AVX2/AVX-512 CPUs; the composition otherwise).

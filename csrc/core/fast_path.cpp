@@ -161,7 +161,7 @@ bool weights_kernel_beats_fast_path(const ForwardCall& call, int64_t embed_dim, 
   const auto& padding = call.key_padding_mask;
   const auto& mask = call.attn_mask;
   return N > 0 && L > 0 && query.size(2) == embed_dim && !call.is_causal &&
-      explicit_kernel_pays_off(L, L, query.scalar_type()) &&
+      explicit_kernel_pays_off(L, L) &&
       (!is_present(padding) || padding->sizes() == at::IntArrayRef{N, L}) &&
       (!is_present(mask) || mask->sizes() == at::IntArrayRef{L, L} ||
        mask->sizes() == at::IntArrayRef{N * num_heads, L, L});

@@ -12,10 +12,10 @@ namespace {
 const char* const kWeightNames[3] = {"q_proj_weight", "k_proj_weight", "v_proj_weight"};
 const char* const kPartNames[3] = {"query", "key", "value"};
 
-// Rows [first * inner, (first + parts) * inner) of the packed weight or bias (all three parts:
-// the tensor itself, as a narrow costs a dispatch and a view).
+// Rows [first * inner, (first + parts) * inner) of the packed weight or bias (all of them: the
+// tensor itself, as a narrow costs a dispatch and a view).
 OptionalTensor packed_rows(const OptionalTensor& packed, int first, int parts, int64_t inner) {
-  if (!is_present(packed) || parts == 3) {
+  if (!is_present(packed) || (first == 0 && parts * inner == packed->size(0))) {
     return packed;
   }
   return packed->narrow(0, first * inner, parts * inner);

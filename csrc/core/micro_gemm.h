@@ -45,10 +45,6 @@ inline void matmul(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
   }
 }
 
-inline void matmul(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb,
-                   double* C, int64_t ldc, bool accumulate = false) {
-  matmul_aten(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
-}
 
 // The Fortran BLAS GEMMs that torch's CPU BLAS wraps (at::native::cpublas::gemm, which libtorch
 // does not export); libtorch_cpu exports its MKL's. Weak: where a symbol is absent the products
@@ -91,6 +87,12 @@ void gemm(bool transpose_a, bool transpose_b, int64_t M, int64_t N, int64_t K, s
   };
   Tensor c = matrix(C, M, N, ldc, options);
   at::addmm_out(c, c, operand(A, M, K, lda, transpose_a), operand(B, K, N, ldb, transpose_b), beta, alpha);
+}
+
+/// matmul for double: the BLAS GEMM (cpublas::brgemm has no double kernel).
+inline void matmul(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb,
+                   double* C, int64_t ldc, bool accumulate = false) {
+  gemm<double>(false, false, M, N, K, 1, A, lda, B, ldb, accumulate ? 1 : 0, C, ldc);
 }
 
 /// Rows of a (N, H, len, D) tensor with unit stride along D: row l of head (n, h).

@@ -2,10 +2,6 @@
 
 import os
 
-# torchmha's explicit-weights kernels serve float heads of every size, but double heads only from
-# 2^17 scores, where they are faster; the tests run them at every size in both
-# (test_explicit_attention.py checks the threshold itself).
-os.environ.setdefault("TORCHMHA_MIN_KERNEL_SCORES", "1")
 # The blocked kernel (attention without weights) runs where it beat SDPA on the machine it was
 # measured on; the tests run it wherever it applies (test_blocked_attention.py checks the rule).
 os.environ.setdefault("TORCHMHA_BLOCKED_KERNEL", "1")

@@ -213,21 +213,22 @@ def test_the_composition_where_the_kernels_cannot_serve(why):
 
 
 @needs_the_kernel
-def test_the_kernels_serve_float_at_every_size_and_double_from_2_to_the_17_scores():
-    """The suite runs the kernels at every size (conftest.py). Without that setting float takes
-    them at every size, and double only from 2^17 scores a head: below, its per-head ATen products
-    cost more than the composition's batched GEMMs."""
+def test_the_kernels_serve_every_size_unless_a_threshold_is_set():
+    """float and double take the kernels at every size (they beat or tie the composition there);
+    TORCHMHA_MIN_KERNEL_SCORES keeps the composition below that many scores a head."""
     code = """
 import torch, torchmha
-for dtype, length, expected in ((torch.float64, 16, False), (torch.float64, 400, True), (torch.float32, 2, True)):
-    m = torchmha.MultiheadAttention(8, 1, dtype=dtype).eval()
-    x = torch.randn(length, 1, 8, dtype=dtype)
-    with torch.no_grad(), torch.profiler.profile() as prof:
-        m(x, x, x)
-    ran = any(e.name == "torchmha::attention_with_weights" for e in prof.events())
-    assert ran == expected, (dtype, length, ran)
+for dtype in (torch.float64, torch.float32):
+    for length in (2, 16, 400):
+        m = torchmha.MultiheadAttention(8, 1, dtype=dtype).eval()
+        x = torch.randn(length, 1, 8, dtype=dtype)
+        with torch.no_grad(), torch.profiler.profile() as prof:
+            m(x, x, x)
+        ran = any(e.name == "torchmha::attention_with_weights" for e in prof.events())
+        assert ran == (length * length >= THRESHOLD), (dtype, length, ran)
 """
-    run_python_with(code, unset=("TORCHMHA_MIN_KERNEL_SCORES",))
+    run_python_with(code.replace("THRESHOLD", "0"), unset=("TORCHMHA_MIN_KERNEL_SCORES",))
+    run_python_with(code.replace("THRESHOLD", "1000"), set_env={"TORCHMHA_MIN_KERNEL_SCORES": "1000"})
 
 
 def test_a_malformed_threshold_is_a_clear_error():
