@@ -4,10 +4,13 @@
 #include <torchmha/functional.h>
 
 #include "core/cached_attention.h"
+#include "core/cached_decoder.h"
 #include "core/checks.h"
 #include "core/in_projection.h"
 #include "core/layers.h"
 #include "core/multi_head_attention.h"
+
+#include <torchmha/errors.h>
 
 namespace torchmha {
 namespace {
@@ -52,6 +55,22 @@ std::vector<Tensor> split_projections(const std::vector<core::ProjectionGroup>& 
     }
   }
   return projections;
+}
+
+core::Stack stack_of(const c10::List<OptionalTensor>& params, int64_t num_heads,
+                     const std::vector<std::string>& activations = {}, const std::vector<bool>& norm_first = {},
+                     at::ArrayRef<double> eps = {}, std::optional<double> final_norm_eps = std::nullopt,
+                     bool batch_first = false) {
+  const std::vector<OptionalTensor> slots(params.begin(), params.end());
+  if (activations.empty()) {  // (decoder_memory: only the attentions matter)
+    const size_t layers = slots.size() / core::kLayerSlots;
+    return core::stack_from_slots(slots, num_heads, std::vector<c10::string_view>(layers, "relu"),
+                                  std::vector<bool>(layers, false), std::vector<double>(3 * layers, 1e-5),
+                                  std::nullopt, batch_first);
+  }
+  const std::vector<c10::string_view> names(activations.begin(), activations.end());
+  return core::stack_from_slots(slots, num_heads, names, norm_first, eps,
+                                final_norm_eps, batch_first);
 }
 
 }  // namespace
@@ -251,6 +270,67 @@ Tensor transformer_block(
   core::ForwardCall call{x,     x,     x,    key_padding_mask, attn_mask, std::nullopt, std::nullopt,
                          /*need_weights=*/false, true, false, training, /*batch_first=*/true, attention_dropout};
   return core::transformer_block(call, attention, ff, norm_first, allow_fast_path);
+}
+
+Tensor decoder_step(
+    const Tensor& tgt,
+    const c10::List<OptionalTensor>& params,
+    const Tensor& keys,
+    const Tensor& values,
+    const Tensor& lengths,
+    const OptionalTensor& memory_keys,
+    const OptionalTensor& memory_values,
+    const OptionalTensor& memory_padding,
+    int64_t num_heads,
+    const std::vector<std::string>& activations,
+    const c10::List<bool>& norm_first,
+    at::ArrayRef<double> eps,
+    std::optional<double> final_norm_eps,
+    bool batch_first,
+    bool training,
+    const OptionalTensor& new_lengths) {
+  const std::vector<bool> pre_norm(norm_first.begin(), norm_first.end());
+  const auto stack = stack_of(params, num_heads, activations, pre_norm, eps, final_norm_eps, batch_first);
+  return core::stack_step(tgt, stack, {keys, values, lengths, memory_keys, memory_values, memory_padding}, new_lengths,
+                          training);
+}
+
+std::tuple<Tensor, Tensor, Tensor> decoder_memory(
+    const Tensor& memory,
+    const c10::List<OptionalTensor>& params,
+    int64_t num_heads,
+    bool batch_first,
+    const OptionalTensor& memory_key_padding_mask) {
+  TORCHMHA_CHECK_ARG(memory.dim() == 3, "CachedDecoder: expected memory of shape ", batch_first ? "(N, S, E)" : "(S, N, E)",
+                     ", but got ", memory.sizes());
+  auto [keys, values] = core::project_stack_memory(memory, stack_of(params, num_heads, {}, {}, {}, {}, batch_first));
+  auto padding = core::memory_padding(memory_key_padding_mask, memory.size(core::batch_dim(batch_first)),
+                                      memory.size(core::sequence_dim(batch_first)), keys);
+  return {keys, values, padding};
+}
+
+void decoder_reorder(
+    const Tensor& keys,
+    const Tensor& values,
+    const Tensor& lengths,
+    const OptionalTensor& memory_keys,
+    const OptionalTensor& memory_values,
+    const OptionalTensor& memory_padding,
+    const Tensor& indices) {
+  core::reorder_stack_state({keys, values, lengths, memory_keys, memory_values, memory_padding}, indices);
+}
+
+void decoder_reset(
+    const Tensor& lengths,
+    const OptionalTensor& memory_keys,
+    const OptionalTensor& memory_values,
+    const OptionalTensor& memory_padding,
+    const OptionalTensor& slots,
+    const OptionalTensor& new_keys,
+    const OptionalTensor& new_values,
+    const OptionalTensor& new_padding) {
+  core::reset_stack_state({Tensor(), Tensor(), lengths, memory_keys, memory_values, memory_padding}, slots, new_keys,
+                          new_values, new_padding);
 }
 
 }  // namespace torchmha

@@ -47,6 +47,27 @@ TORCH_LIBRARY(torchmha, m) {
       "reorder_cache(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) lengths, Tensor indices) -> ()",
       TORCH_FN(torchmha::reorder_cache));
   m.def("reset_cache(Tensor(a!) lengths, Tensor? slots=None) -> ()", TORCH_FN(torchmha::reset_cache));
+  // Cached generation through a stack of torch's Transformer layers (functional.h: the parameter
+  // list's order). The step writes the caches and advances lengths in place.
+  m.def(
+      "decoder_step(Tensor tgt, Tensor?[] params, Tensor(a!) keys, Tensor(b!) values, Tensor(c!) lengths, "
+      "Tensor? memory_keys, Tensor? memory_values, Tensor? memory_padding, int num_heads, str[] activations, "
+      "bool[] norm_first, float[] eps, float? final_norm_eps, bool batch_first, bool training, "
+      "Tensor? new_lengths=None) -> Tensor",
+      TORCH_FN(torchmha::decoder_step));
+  m.def(
+      "decoder_memory(Tensor memory, Tensor?[] params, int num_heads, bool batch_first, "
+      "Tensor? memory_key_padding_mask=None) -> (Tensor, Tensor, Tensor)",
+      TORCH_FN(torchmha::decoder_memory));
+  m.def(
+      "decoder_reorder(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) lengths, Tensor(d!)? memory_keys, "
+      "Tensor(e!)? memory_values, Tensor(f!)? memory_padding, Tensor indices) -> ()",
+      TORCH_FN(torchmha::decoder_reorder));
+  m.def(
+      "decoder_reset(Tensor(a!) lengths, Tensor(b!)? memory_keys, Tensor(c!)? memory_values, "
+      "Tensor(d!)? memory_padding, Tensor? slots=None, Tensor? new_keys=None, Tensor? new_values=None, "
+      "Tensor? new_padding=None) -> ()",
+      TORCH_FN(torchmha::decoder_reset));
   // The step's attention inside attention_with_cache: a kernel per device (decode_attention.h).
   m.def(
       "decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, Tensor(b!) v_cache, "

@@ -105,7 +105,6 @@ Tensor attention_with_cache(const Tensor& query, const Tensor& k_cache, const Te
   // validate, the masks too, before the caches are written, so a bad call leaves them as they were
   check_cache(query, k_cache, v_cache, lengths, w, call);
   const int64_t batch = query.size(batch_dim(call.batch_first));
-  const int64_t new_len = query.size(sequence_dim(call.batch_first));
   check_lengths(lengths, "lengths", batch, query);
   if (is_present(new_lengths)) {
     check_lengths(*new_lengths, "new_lengths", batch, query);
@@ -117,25 +116,33 @@ Tensor attention_with_cache(const Tensor& query, const Tensor& k_cache, const Te
                                     call.batch_first);
   // write the cache, attend and count the new positions (decode_attention), output projection
   auto heads = decode_attention(q, k, v, k_cache, v_cache, lengths, new_lengths, padding, call.effective_dropout());
-  auto output = project_output(heads, w, call.batch_first);
-  if (is_present(new_lengths)) {  // rows past a sequence's new positions are zeros, not the bias
-    const Tensor steps = at::arange(new_len, lengths.options());
-    const Tensor row_is_new = call.batch_first ? steps.unsqueeze(0) < new_lengths->unsqueeze(1)
-                                               : steps.unsqueeze(1) < new_lengths->unsqueeze(0);
-    output = output.masked_fill(row_is_new.logical_not().unsqueeze(-1), 0);
-  }
-  return output;
+  return zero_rows_past(project_output(heads, w, call.batch_first), new_lengths, call.batch_first);
 }
 
-void reorder_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths, const Tensor& indices) {
+Tensor zero_rows_past(const Tensor& output, const OptionalTensor& new_lengths, bool batch_first) {
+  if (!is_present(new_lengths)) {
+    return output;
+  }
+  // rows past a sequence's new positions are zeros, not the bias
+  const Tensor steps = at::arange(output.size(sequence_dim(batch_first)), new_lengths->options());
+  const Tensor row_is_new = batch_first ? steps.unsqueeze(0) < new_lengths->unsqueeze(1)
+                                        : steps.unsqueeze(1) < new_lengths->unsqueeze(0);
+  return output.masked_fill(row_is_new.logical_not().unsqueeze(-1), 0);
+}
+
+Tensor checked_reorder_index(const Tensor& indices, const Tensor& lengths, const char* who) {
   const int64_t batch = lengths.size(0);
   TORCH_CHECK(
       indices.dim() == 1 && indices.size(0) == batch && !at::isFloatingType(indices.scalar_type()) &&
           indices.scalar_type() != at::kBool,
-      "KeyValueCache.reorder: expected indices of shape (", batch, ",) (an integer index per sequence), but got ",
+      who, ": expected indices of shape (", batch, ",) (an integer index per sequence), but got ",
       indices.sizes(), " ", indices.scalar_type());
+  return indices.to(lengths.device(), at::kLong);
+}
+
+void reorder_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths, const Tensor& indices) {
+  const Tensor index = checked_reorder_index(indices, lengths, "KeyValueCache.reorder");
   // index_select copies the rows first, so row i may read a row that is overwritten in place.
-  const Tensor index = indices.to(lengths.device(), at::kLong);
   for (const Tensor* t : {&k_cache, &v_cache, &lengths}) {
     t->copy_(t->index_select(0, index));
   }

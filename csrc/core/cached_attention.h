@@ -30,6 +30,12 @@ Tensor attention_with_cache(const Tensor& query, const Tensor& k_cache, const Te
                             const OptionalTensor& new_lengths, const AttentionWeights& weights,
                             const DecodingCall& call);
 
+/// `output` (T, N, E) (batch_first: (N, T, E)) with rows past new_lengths[n] zeroed (as is, if absent).
+Tensor zero_rows_past(const Tensor& output, const OptionalTensor& new_lengths, bool batch_first);
+
+/// Beam search's indices ((N,) integers, N = lengths' size) as an int64 index on lengths' device;
+/// `who` names the caller in the error.
+Tensor checked_reorder_index(const Tensor& indices, const Tensor& lengths, const char* who);
 /// Beam search: sequence i of the cache becomes old sequence indices[i], with its length (in place).
 void reorder_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths, const Tensor& indices);
 /// Empties the sequences `slots` (an index or a bool mask; all if absent): their lengths become 0.

@@ -19,6 +19,7 @@ from ._build import build_info, check_torch
 check_torch()  # before the extension loads: with another torch it would fail obscurely
 
 from . import _C, cpp  # noqa: E402
+from .cached_decoder import CachedDecoder, DecoderState
 from .cross_attention import CrossAttention
 from .functional import in_projection, in_projection_packed, multi_head_attention_forward
 from .kv_cache import KeyValueCache, StaticKeyValue
@@ -45,6 +46,8 @@ def __getattr__(name: str) -> object:
 __version__: str = _C.__version__  # from the repository's VERSION file, through CMake
 
 __all__ = [
+    "CachedDecoder",
+    "DecoderState",
     "CrossAttention",
     "KeyValueCache",
     "MultiheadAttention",

@@ -5,12 +5,25 @@ Decoding is inference: run it under ``torch.no_grad()`` or ``torch.inference_mod
 written in place on every step, so autograd cannot differentiate across steps).
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
 from ._ops import ops, rules
+
+
+Slots = Union[int, Sequence[int], Tensor, None]
+
+
+def as_slot_index(slots: Slots, device) -> Optional[Tensor]:
+    """torch's index forms (an int, a list of ints, an integer or bool tensor) as a 1-D tensor, the
+    form the reset ops take."""
+    if slots is None:
+        return None
+    if not isinstance(slots, Tensor):
+        slots = torch.as_tensor(slots, device=device)
+    return slots if slots.dim() == 1 else slots.reshape(-1)
 
 
 class StaticKeyValue(NamedTuple):
@@ -79,15 +92,17 @@ class KeyValueCache:
         """Beam search: sequence i becomes old sequence ``indices[i]``, with its length (in place)."""
         ops.reorder_cache(k_cache=self.keys, v_cache=self.values, lengths=self.lengths, indices=indices)
 
-    def reset(self, slots: Optional[Tensor] = None, *, batch_size: Optional[int] = None) -> None:
-        """Empties the sequences ``slots`` (an integer index or a bool mask; all if None), so new
+    def reset(self, slots: Slots = None, *, batch_size: Optional[int] = None) -> None:
+        """Empties the sequences ``slots`` (an int, a list of ints, an integer tensor or a bool
+        mask, as torch indexing takes; all if None), so new
         ones start there while the others go on. With ``batch_size``, empties every sequence and
         makes room for batches of that size (reallocating only if it differs)."""
         if batch_size is not None and batch_size != self.batch_size:
             _, num_heads, max_length, head_dim = self.keys.shape
             self._allocate(batch_size, num_heads, max_length, head_dim, self.keys.dtype, self.keys.device)
             return
-        ops.reset_cache(lengths=self.lengths, slots=None if batch_size is not None else slots)
+        slots = None if batch_size is not None else as_slot_index(slots, self.lengths.device)
+        ops.reset_cache(self.lengths, slots)
 
     def __repr__(self) -> str:
         n, h, m, d = self.keys.shape

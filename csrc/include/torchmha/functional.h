@@ -12,10 +12,12 @@
 
 #include <torchmha/export.h>
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/SymInt.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -179,6 +181,71 @@ TORCHMHA_API at::Tensor attention_with_static_key_value(
     const std::optional<at::Tensor>& bias_k = std::nullopt,
     const std::optional<at::Tensor>& bias_v = std::nullopt,
     bool add_zero_attn = false);
+
+// ------------------------------------------------------------------------- cached generation
+// A stack of torch's Transformer layers (nn.TransformerDecoderLayer, or nn.TransformerEncoderLayer
+// run causally) decoded with a cache. `params` holds 18 entries per layer, then the final norm's
+// weight and bias (absent: nullopt): self_attn in_proj_weight, in_proj_bias, out_proj weight, bias;
+// multihead_attn (decoders; absent for encoders) the same four; linear1 weight, bias; linear2
+// weight, bias; norm1, norm2, norm3 (decoders) weight, bias. Per layer: activations ("relu",
+// "gelu", "gelu_tanh", "silu"), norm_first, and 3 eps (norm1, norm2, norm3); final_norm_eps is
+// present when the stack has a final LayerNorm. The state: keys, values (layers, N, H, M, D),
+// lengths (N,) int64, and a decoder's memory_keys, memory_values (layers, N, H, S, D) and
+// memory_padding (N, S), additive.
+
+/// One step: tgt (T, N, E) (batch_first: (N, T, E)); sequence n appends its first new_lengths[n]
+/// positions (all T if absent) and gets the stack's output there (rows past it are zeros); the
+/// caches are written and lengths advanced in place. A model in training mode is refused.
+TORCHMHA_API at::Tensor decoder_step(
+    const at::Tensor& tgt,
+    const c10::List<std::optional<at::Tensor>>& params,
+    const at::Tensor& keys,
+    const at::Tensor& values,
+    const at::Tensor& lengths,
+    const std::optional<at::Tensor>& memory_keys,
+    const std::optional<at::Tensor>& memory_values,
+    const std::optional<at::Tensor>& memory_padding,
+    int64_t num_heads,
+    const std::vector<std::string>& activations,
+    const c10::List<bool>& norm_first,
+    at::ArrayRef<double> eps,
+    std::optional<double> final_norm_eps,
+    bool batch_first,
+    bool training,
+    const std::optional<at::Tensor>& new_lengths = std::nullopt);
+
+/// A decoder's memory (S, N, E) (batch_first: (N, S, E)) through every layer's cross-attention
+/// once, and its key_padding_mask (bool, true = ignore; or float, added; zeros if absent) as the
+/// state's additive padding: {memory_keys, memory_values, memory_padding}.
+TORCHMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> decoder_memory(
+    const at::Tensor& memory,
+    const c10::List<std::optional<at::Tensor>>& params,
+    int64_t num_heads,
+    bool batch_first,
+    const std::optional<at::Tensor>& memory_key_padding_mask = std::nullopt);
+
+/// Beam search: sequence i of every part of the state becomes old sequence indices[i] (in place).
+TORCHMHA_API void decoder_reorder(
+    const at::Tensor& keys,
+    const at::Tensor& values,
+    const at::Tensor& lengths,
+    const std::optional<at::Tensor>& memory_keys,
+    const std::optional<at::Tensor>& memory_values,
+    const std::optional<at::Tensor>& memory_padding,
+    const at::Tensor& indices);
+
+/// Empties the sequences `slots` (a 1-D integer index or bool mask; all if absent). With a new
+/// memory (decoder_memory's three tensors for those k sequences, S' <= S positions), their
+/// memory becomes it, positions past S' masked.
+TORCHMHA_API void decoder_reset(
+    const at::Tensor& lengths,
+    const std::optional<at::Tensor>& memory_keys,
+    const std::optional<at::Tensor>& memory_values,
+    const std::optional<at::Tensor>& memory_padding,
+    const std::optional<at::Tensor>& slots = std::nullopt,
+    const std::optional<at::Tensor>& new_keys = std::nullopt,
+    const std::optional<at::Tensor>& new_values = std::nullopt,
+    const std::optional<at::Tensor>& new_padding = std::nullopt);
 
 // ------------------------------------------------------------------------------ layers
 

@@ -1,0 +1,96 @@
+#pragma once
+
+// Cached generation through a stack of torch's Transformer layers (nn.TransformerDecoderLayer or
+// nn.TransformerEncoderLayer run causally): one step of the whole stack over the new positions of
+// each sequence, on the decoding steps of cached_attention.h (self-attention through the cache,
+// cross-attention to a memory projected once), with the layers' norms and feed-forward between.
+
+#include "arguments.h"
+
+#include <c10/util/ArrayRef.h>
+#include <c10/util/string_view.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace torchmha::core {
+
+/// The feed-forward activations a step computes itself (torch's strings and the callables
+/// torch's layers are commonly built with; the Python shell maps a callable to its name).
+enum class Activation { kRelu, kGelu, kGeluTanh, kSilu };
+Activation parse_activation(c10::string_view name);
+
+struct LayerNormWeights {
+  OptionalTensor weight, bias;
+  double eps = 1e-5;
+};
+
+/// One layer's parameters and configuration, as nn.TransformerDecoderLayer holds them (an
+/// encoder layer has no cross-attention and no norm3).
+struct StackLayer {
+  AttentionWeights self_attn;
+  std::optional<AttentionWeights> cross_attn;
+  Tensor linear1_weight, linear2_weight;
+  OptionalTensor linear1_bias, linear2_bias;
+  LayerNormWeights norm1, norm2, norm3;
+  Activation activation = Activation::kRelu;
+  bool norm_first = false;
+};
+
+/// The layers' parameters as the ops take them: kLayerSlots entries per layer, in this order
+/// (absent ones None), then the final norm's weight and bias.
+enum LayerSlot : int64_t {
+  kSelfInWeight, kSelfInBias, kSelfOutWeight, kSelfOutBias,
+  kCrossInWeight, kCrossInBias, kCrossOutWeight, kCrossOutBias,
+  kLinear1Weight, kLinear1Bias, kLinear2Weight, kLinear2Bias,
+  kNorm1Weight, kNorm1Bias, kNorm2Weight, kNorm2Bias, kNorm3Weight, kNorm3Bias,
+  kLayerSlots
+};
+
+/// The layers from the ops' flat parameter list (layers * kLayerSlots + 2 entries), with each
+/// layer's activation name, norm_first and norm eps (norm1, norm2, norm3: 3 per layer).
+/// Throws naming the mismatch when the list's length or a layer's parameters do not fit.
+struct Stack {
+  std::vector<StackLayer> layers;
+  std::optional<LayerNormWeights> final_norm;
+  bool batch_first = false;
+  bool decoder() const { return layers.front().cross_attn.has_value(); }
+};
+Stack stack_from_slots(at::ArrayRef<OptionalTensor> params, int64_t num_heads, at::ArrayRef<c10::string_view> activations,
+                       const std::vector<bool>& norm_first, at::ArrayRef<double> eps, std::optional<double> final_norm_eps,
+                       bool batch_first);
+
+/// What a generation holds between steps. keys, values: (layers, N, H, M, D) self-attention
+/// caches; lengths (N,) int64; a decoder's memory keys and values (layers, N, H, S, D) and its
+/// padding (N, S), additive in the model's dtype.
+struct StackState {
+  Tensor keys, values, lengths;
+  OptionalTensor memory_keys, memory_values, memory_padding;
+};
+
+/// One step: tgt (T, N, E) (batch_first: (N, T, E)) holds up to T new positions per sequence;
+/// sequence n appends its first new_lengths[n] (all T if absent) and gets the stack's output at
+/// them, equal to the stack's causal forward over its own prefix. Rows past new_lengths are
+/// zeros. Every check runs before lengths advance, so a failed step leaves the state as it was.
+Tensor stack_step(const Tensor& tgt, const Stack& stack, const StackState& state, const OptionalTensor& new_lengths,
+                  bool training);
+
+/// A decoder's memory (S, N, E) (batch_first: (N, S, E)) projected once through every layer's
+/// cross-attention: {keys, values}, (layers, N, H, S, D) each.
+std::tuple<Tensor, Tensor> project_stack_memory(const Tensor& memory, const Stack& stack);
+
+/// A memory's key_padding_mask (bool, true = ignore, or float, added) as the state's additive
+/// (N, S) padding in `dtype`; zeros when absent.
+Tensor memory_padding(const OptionalTensor& mask, int64_t batch, int64_t src_len, const Tensor& like);
+
+/// Beam search: sequence i of every part of the state becomes old sequence indices[i] (in place).
+void reorder_stack_state(const StackState& state, const Tensor& indices);
+
+/// Empties the sequences `slots` (a 1-D integer index or bool mask; all if absent). With
+/// new_keys/new_values (layers, k, H, S', D), S' <= S, for the k sequences, their memory becomes
+/// that (positions past S' masked) with new_padding (k, S') (additive; zeros if absent).
+void reset_stack_state(const StackState& state, const OptionalTensor& slots, const OptionalTensor& new_keys,
+                       const OptionalTensor& new_values, const OptionalTensor& new_padding);
+
+}  // namespace torchmha::core

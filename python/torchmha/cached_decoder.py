@@ -1,0 +1,241 @@
+"""Cached generation with the Transformer models people already have (C++: cached_decoder.h).
+
+``CachedDecoder(model)`` wraps an ``nn.Transformer`` (its decoder), an ``nn.TransformerDecoder``
+or an ``nn.TransformerEncoder`` run causally, and runs its layers one step at a time over a
+key/value cache, in one C++ op a step (``torch.ops.torchmha.decoder_step``)::
+
+    dec = torchmha.CachedDecoder(model.eval())
+    state = dec.new_state(batch_size, max_length, memory=memory)
+    y = dec(prompt, state)          # prefill: the model's output at the prompt's positions
+    y_t = dec(x_t, state)           # then one (or more) positions at a time
+
+The parameters are the model's own, read on every step; nothing is copied.
+"""
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._ops import ops
+from .kv_cache import Slots, as_slot_index
+from .multihead_attention import MultiheadAttention
+
+_ATTENTIONS = (nn.MultiheadAttention, MultiheadAttention)
+# The activations the C++ step computes, by the callables torch's layers are built with.
+_ACTIVATION_FUNCTIONS = {F.relu: "relu", torch.relu: "relu", F.gelu: "gelu", F.silu: "silu"}
+
+
+def _activation_name(activation) -> str:
+    if activation in _ACTIVATION_FUNCTIONS:
+        return _ACTIVATION_FUNCTIONS[activation]
+    if type(activation) is nn.ReLU:
+        return "relu"
+    if type(activation) is nn.SiLU:
+        return "silu"
+    if type(activation) is nn.GELU:
+        return "gelu_tanh" if activation.approximate == "tanh" else "gelu"
+    raise TypeError(
+        f"CachedDecoder: the layers' activation {activation!r} is not one the C++ step computes "
+        "(relu, gelu, silu: torch's strings, F.relu/F.gelu/F.silu, nn.ReLU/nn.GELU/nn.SiLU)"
+    )
+
+
+def _type_name(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _check_type(module, allowed: tuple, what: str) -> None:
+    if type(module) not in allowed:
+        names = " or ".join(f"{t.__module__}.{t.__qualname__}" for t in allowed)
+        raise TypeError(f"CachedDecoder: {what} must be exactly {names}, not {_type_name(module)}")
+
+
+def _stack_of(model: nn.Module) -> Tuple[List[nn.Module], Optional[nn.Module], bool]:
+    """(layers, final norm, is_decoder) of a supported model, or TypeError naming its type."""
+    if type(model) is nn.Transformer:
+        model = model.decoder
+    if type(model) is nn.TransformerDecoder:
+        layer_type, decoder = nn.TransformerDecoderLayer, True
+    elif type(model) is nn.TransformerEncoder:
+        layer_type, decoder = nn.TransformerEncoderLayer, False
+    else:
+        raise TypeError(
+            "CachedDecoder takes an nn.Transformer, nn.TransformerDecoder or nn.TransformerEncoder, "
+            f"not {_type_name(model)}"
+        )
+    layers = list(model.layers)
+    if not layers:
+        raise ValueError("CachedDecoder: the model has no layers")
+    for i, layer in enumerate(layers):
+        _check_type(layer, (layer_type,), f"layer {i}")
+        attentions = (layer.self_attn, layer.multihead_attn) if decoder else (layer.self_attn,)
+        for attention in attentions:
+            _check_type(attention, _ATTENTIONS, f"layer {i}'s attention")
+            if not attention._qkv_same_embed_dim or attention.bias_k is not None or attention.add_zero_attn:
+                raise TypeError(f"CachedDecoder: layer {i}'s attention must have torch's layer configuration "
+                                "(packed in-projection, no bias_k/bias_v, no add_zero_attn)")
+        norms = (layer.norm1, layer.norm2, layer.norm3) if decoder else (layer.norm1, layer.norm2)
+        for module, allowed, what in [(layer.linear1, (nn.Linear,), "linear1"), (layer.linear2, (nn.Linear,), "linear2"),
+                                      *[(n, (nn.LayerNorm,), "norm") for n in norms]]:
+            _check_type(module, allowed, f"layer {i}'s {what}")
+        _activation_name(layer.activation)
+    if model.norm is not None:
+        _check_type(model.norm, (nn.LayerNorm,), "the final norm")
+    return layers, model.norm, decoder
+
+
+def _p(module: nn.Module, name: str) -> Optional[Tensor]:
+    # The module's dict, not nn.Module.__getattr__ (about a microsecond a name, 18 names a layer).
+    parameters = module.__dict__["_parameters"]
+    return parameters[name] if name in parameters else getattr(module, name)
+
+
+def _attention_params(attention: nn.Module) -> list:
+    out_proj = attention.__dict__["_modules"]["out_proj"]
+    return [_p(attention, "in_proj_weight"), _p(attention, "in_proj_bias"), _p(out_proj, "weight"), _p(out_proj, "bias")]
+
+
+def _module_params(module: Optional[nn.Module]) -> list:
+    return [None, None] if module is None else [_p(module, "weight"), _p(module, "bias")]
+
+
+class DecoderState:
+    """What a generation holds between steps (from :meth:`CachedDecoder.new_state`).
+
+    ``keys``, ``values``: (layers, N, H, max_length, head_dim), the self-attention caches;
+    ``lengths``: (N,) int64, the positions filled per sequence; a decoder's ``memory_keys``,
+    ``memory_values`` (layers, N, H, S, head_dim), projected once, and ``memory_padding`` (N, S),
+    additive.
+    """
+
+    def __init__(self, decoder: "CachedDecoder", keys: Tensor, values: Tensor,
+                 memory: Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]) -> None:
+        self._decoder = decoder
+        self.keys, self.values = keys, values
+        self.lengths = torch.zeros(keys.shape[1], dtype=torch.long, device=keys.device)
+        self.memory_keys, self.memory_values, self.memory_padding = memory
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def max_length(self) -> int:
+        return self.keys.shape[3]
+
+    def reorder(self, indices: Tensor) -> None:
+        """Beam search: sequence i becomes old sequence ``indices[i]``: its caches, length, memory
+        and memory mask (in place)."""
+        ops.decoder_reorder(self.keys, self.values, self.lengths, self.memory_keys, self.memory_values,
+                            self.memory_padding, indices)
+
+    def reset(self, slots: Slots = None, memory: Optional[Tensor] = None,
+              memory_key_padding_mask: Optional[Tensor] = None) -> None:
+        """Empties the sequences ``slots`` (an int, a list of ints, a 1-D integer tensor or a bool
+        mask; all if None), so new ones start there while the others go on. A decoder's new
+        sequences may bring their own ``memory`` (in the model's layout, batch = the slots named;
+        at most the state's memory length, the rest masked) and its padding mask; without it they
+        keep the memory they had."""
+        slots = as_slot_index(slots, self.lengths.device)
+        new = (None, None, None)
+        if memory is not None:
+            new = self._decoder._project_memory(memory, memory_key_padding_mask)
+        elif memory_key_padding_mask is not None:
+            raise ValueError("CachedDecoder state.reset: memory_key_padding_mask goes with a new memory")
+        ops.decoder_reset(self.lengths, self.memory_keys, self.memory_values, self.memory_padding, slots, *new)
+
+    def __repr__(self) -> str:
+        layers, n, h, m, d = self.keys.shape
+        memory = "" if self.memory_keys is None else f", memory_length={self.memory_keys.shape[3]}"
+        return (f"DecoderState(layers={layers}, batch_size={n}, num_heads={h}, max_length={m}, head_dim={d}"
+                f"{memory}, lengths={self.lengths.tolist()})")
+
+
+class CachedDecoder(nn.Module):
+    """Incremental generation through ``model``'s layers with a key/value cache.
+
+    ``model``: an ``nn.Transformer`` (its decoder and the decoder's final norm), an
+    ``nn.TransformerDecoder``, or an ``nn.TransformerEncoder`` run causally (a decoder-only
+    model), whose layers are exactly torch's ``nn.TransformerDecoderLayer`` /
+    ``nn.TransformerEncoderLayer`` (their attention torch's or torchmha's). Any configuration
+    torch's layers have: norm_first, relu/gelu/silu activations, bias=False, batch_first,
+    layer_norm_eps, a final LayerNorm or none, any float dtype, the model's device.
+
+    Each call ``dec(tgt, state, new_lengths=None)`` appends ``tgt``'s positions to each sequence and
+    returns the model's output there: equal to the model's causal forward over each sequence's own
+    prefix. It runs in one op (``torch.ops.torchmha.decoder_step``) reading the model's current
+    parameters. The model must be in eval mode.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        layers, final_norm, decoder = _stack_of(model)
+        self.model = model
+        self.is_decoder = decoder
+        self._layers = layers
+        self._final_norm = final_norm
+        first = layers[0].self_attn
+        self.num_heads: int = first.num_heads
+        self.head_dim: int = first.head_dim
+        self.batch_first: bool = first.batch_first
+
+    def _config(self) -> Tuple[List[str], List[bool], List[float], Optional[float]]:
+        activations = [_activation_name(layer.activation) for layer in self._layers]
+        norm_first = [bool(layer.norm_first) for layer in self._layers]
+        eps = [float(getattr(layer, name).eps) if hasattr(layer, name) else 1e-5
+               for layer in self._layers for name in ("norm1", "norm2", "norm3")]
+        final_eps = None if self._final_norm is None else float(self._final_norm.eps)
+        return activations, norm_first, eps, final_eps
+
+    def parameter_list(self) -> List[Optional[Tensor]]:
+        """The layers' parameters in the op's order (functional.h: 18 a layer, then the final
+        norm's), read from the modules now."""
+        params: List[Optional[Tensor]] = []
+        for layer in self._layers:
+            modules = layer.__dict__["_modules"]
+            params += _attention_params(modules["self_attn"])
+            params += _attention_params(modules["multihead_attn"]) if self.is_decoder else [None] * 4
+            params += _module_params(modules["linear1"]) + _module_params(modules["linear2"])
+            params += _module_params(modules["norm1"]) + _module_params(modules["norm2"])
+            params += _module_params(modules["norm3"] if self.is_decoder else None)
+        return params + _module_params(self._final_norm)
+
+    def _project_memory(self, memory: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+        if not self.is_decoder:
+            raise ValueError("CachedDecoder: an encoder has no memory; new_state and reset take memory only "
+                             "for a decoder (nn.Transformer, nn.TransformerDecoder)")
+        return ops.decoder_memory(memory, self.parameter_list(), self.num_heads, self.batch_first, mask)
+
+    def new_state(self, batch_size: int, max_length: int, memory: Optional[Tensor] = None,
+                  memory_key_padding_mask: Optional[Tensor] = None) -> DecoderState:
+        """An empty state for ``batch_size`` sequences of up to ``max_length`` positions. A
+        decoder needs its ``memory`` (in the model's layout), projected here once per layer, and
+        takes torch's ``memory_key_padding_mask`` (N, S): bool (True = ignore) or float (added)."""
+        weight = self._layers[0].self_attn.out_proj.weight
+        if self.is_decoder and memory is None:
+            raise ValueError("CachedDecoder.new_state: a decoder needs memory (the encoder's output)")
+        projected = (None, None, None)
+        if memory is not None:
+            projected = self._project_memory(memory, memory_key_padding_mask)
+            if projected[0].shape[1] != batch_size:
+                raise ValueError(f"CachedDecoder.new_state: memory {tuple(memory.shape)} holds "
+                                 f"{projected[0].shape[1]} sequences, but batch_size is {batch_size}")
+        shape = (len(self._layers), batch_size, self.num_heads, max_length, self.head_dim)
+        if batch_size <= 0 or max_length <= 0:
+            raise ValueError(f"CachedDecoder.new_state: batch_size and max_length must be positive, "
+                             f"but got {batch_size} and {max_length}")
+        keys = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        return DecoderState(self, keys, torch.zeros_like(keys), projected)
+
+    def forward(self, tgt: Tensor, state: DecoderState, new_lengths: Optional[Tensor] = None) -> Tensor:
+        """Appends ``tgt`` ((T, N, E), batch_first (N, T, E)) to the sequences of ``state`` and returns
+        the model's output at those positions; sequence n takes its first ``new_lengths[n]``
+        ((N,) int64; all T if None), and its rows past that are zeros."""
+        activations, norm_first, eps, final_eps = self._config()
+        return ops.decoder_step(
+            tgt, self.parameter_list(), state.keys, state.values, state.lengths, state.memory_keys,
+            state.memory_values, state.memory_padding, self.num_heads, activations, norm_first, eps, final_eps,
+            self.batch_first, self.model.training, new_lengths,
+        )

@@ -1,0 +1,367 @@
+"""torchmha.CachedDecoder (python/torchmha/cached_decoder.py, csrc/core/cached_decoder.cpp): cached
+generation through torch's own Transformer models equals the model's causal forward over each
+sequence's own prefix, whatever the schedule (prefill with mixed lengths, chunks, single steps,
+beam reorders, slot resets), and bad input leaves the state as it was."""
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchmha
+from helpers import assert_close
+
+E, H, FF, LAYERS, S = 16, 4, 24, 2, 5
+
+
+def randomize(model, seed=0):
+    """Every parameter random (norm weights around 1), so no bias or norm can be dropped unseen."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
+            p.copy_(1 + 0.2 * noise if "norm" in name and name.endswith("weight") else 0.3 * noise)
+    return model.eval()
+
+
+def make_model(kind="decoder", *, norm_first=False, activation="relu", bias=True, batch_first=False, eps=1e-5,
+               final_norm=True, dtype=torch.float64, seed=0):
+    layer_args = dict(dim_feedforward=FF, dropout=0.1, activation=activation, layer_norm_eps=eps,
+                      batch_first=batch_first, norm_first=norm_first, bias=bias, dtype=dtype)
+    norm = nn.LayerNorm(E, eps=eps, bias=bias, dtype=dtype) if final_norm else None
+    if kind == "transformer":
+        model = nn.Transformer(E, H, num_encoder_layers=1, num_decoder_layers=LAYERS, custom_decoder=None,
+                               **layer_args)
+    elif kind == "decoder":
+        model = nn.TransformerDecoder(nn.TransformerDecoderLayer(E, H, **layer_args), LAYERS, norm=norm)
+    else:
+        model = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, **layer_args), LAYERS, norm=norm,
+                                      enable_nested_tensor=False)
+    return randomize(model, seed)
+
+
+def is_decoder(model):
+    return not isinstance(model, nn.TransformerEncoder)
+
+
+def reference(model, tokens, memory=None, memory_mask=None, batch_first=False):
+    """The model's causal forward over one sequence: tokens (L, E), memory (S, E) -> (L, E)."""
+    L = tokens.shape[0]
+    causal = nn.Transformer.generate_square_subsequent_mask(L, dtype=tokens.dtype)
+    x = tokens.unsqueeze(0 if batch_first else 1)
+    stack = model.decoder if isinstance(model, nn.Transformer) else model
+    with torch.no_grad():
+        if is_decoder(model):
+            m = memory.unsqueeze(0 if batch_first else 1)
+            pad = None if memory_mask is None else memory_mask.unsqueeze(0)
+            y = stack(x, m, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=pad)
+        else:
+            y = stack(x, mask=causal, is_causal=True)
+    return y.squeeze(0 if batch_first else 1)
+
+
+class Generation:
+    """Drives a CachedDecoder over N sequences of known tokens, keeping each sequence's outputs,
+    and checks them against the model's forward over each sequence's own prefix."""
+
+    def __init__(self, model, N, max_length, dtype, memory_len=S, memory_mask=False, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.model, self.dtype = model, dtype
+        self.batch_first = CachedDecoderBatchFirst(model)
+        self.dec = torchmha.CachedDecoder(model)
+        self.tokens = [torch.randn(max_length, E, generator=gen, dtype=torch.float64).to(dtype) for _ in range(N)]
+        self.memory = [torch.randn(memory_len, E, generator=gen, dtype=torch.float64).to(dtype) for _ in range(N)]
+        self.memory_mask = None
+        if memory_mask:
+            self.memory_mask = torch.rand(N, memory_len, generator=gen) < 0.3
+            self.memory_mask[:, 0] = False
+        self.filled = [0] * N
+        self.outputs = [[] for _ in range(N)]
+        memory = self.layout(torch.stack(self.memory)) if is_decoder(model) else None
+        self.state = self.dec.new_state(N, max_length, memory=memory, memory_key_padding_mask=self.memory_mask)
+
+    def layout(self, batch):  # (N, L, E) -> the model's layout
+        return batch if self.batch_first else batch.transpose(0, 1)
+
+    def step(self, counts):
+        """Sequence n appends its next counts[n] tokens (new_lengths when they differ)."""
+        T = max(counts)
+        rows = []
+        for n, c in enumerate(counts):
+            mine = self.tokens[n][self.filled[n]:self.filled[n] + c]
+            junk = torch.randn(T - c, E, dtype=self.dtype) * 100  # rows past new_lengths: must leave no trace
+            rows.append(torch.cat([mine, junk]))
+        uniform = len(set(counts)) == 1
+        new_lengths = None if uniform else torch.tensor(counts)
+        y = self.layout_back(self.dec(self.layout(torch.stack(rows)), self.state, new_lengths))
+        for n, c in enumerate(counts):
+            self.outputs[n].append(y[n, :c])
+            assert (y[n, c:] == 0).all(), "rows past new_lengths must be zeros"
+            self.filled[n] += c
+        assert self.state.lengths.tolist() == self.filled
+
+    def layout_back(self, y):
+        return y if self.batch_first else y.transpose(0, 1)
+
+    def check(self, dtype=None):
+        for n in range(len(self.tokens)):
+            got = torch.cat(self.outputs[n])
+            mask = None if self.memory_mask is None else self.memory_mask[n]
+            expected = reference(self.model, self.tokens[n][:self.filled[n]], self.memory[n], mask, self.batch_first)
+            assert_close(got, expected, dtype or self.dtype, msg=f"sequence {n}")
+
+
+def CachedDecoderBatchFirst(model):
+    stack = model.decoder if isinstance(model, nn.Transformer) else model
+    return stack.layers[0].self_attn.batch_first
+
+
+CONFIGS = [
+    dict(kind="decoder"),
+    dict(kind="decoder", norm_first=True, activation="gelu", batch_first=True),
+    dict(kind="transformer", activation=F.silu, eps=1e-3),
+    dict(kind="decoder", bias=False, final_norm=False, activation=nn.GELU(approximate="tanh")),
+    dict(kind="encoder"),
+    dict(kind="encoder", norm_first=True, batch_first=True, activation=nn.ReLU(), final_norm=False),
+    dict(kind="encoder", bias=False, activation="gelu", eps=1e-6),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{k}={getattr(v, '__name__', v)}" for k, v in c.items()))
+def test_prefill_chunks_and_steps_equal_the_full_forward(config, dtype):
+    g = Generation(make_model(dtype=dtype, **config), N=3, max_length=12, dtype=dtype, memory_mask=True)
+    g.step([4, 1, 3])  # prefill, prompts of different lengths (new_lengths)
+    g.step([2, 2, 2])  # a chunk
+    g.step([1, 1, 1])  # single steps
+    g.step([0, 3, 1])  # a sequence that adds nothing
+    g.step([1, 1, 1])
+    g.check()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_schedules(seed):
+    rng = random.Random(seed)
+    config = rng.choice(CONFIGS)
+    g = Generation(make_model(dtype=torch.float64, seed=seed, **config), N=rng.randint(1, 4), max_length=16,
+                   dtype=torch.float64, memory_mask=rng.random() < 0.5, seed=seed)
+    while True:
+        counts = [rng.randint(0, 3) for _ in g.tokens]
+        if max(counts) == 0 or any(f + c > 16 for f, c in zip(g.filled, counts)):
+            break
+        g.step(counts)
+    g.check()
+
+
+def test_torchmha_attention_in_the_layers():
+    model = make_model("transformer")
+    torchmha.replace_multihead_attention(model)
+    g = Generation(model, N=2, max_length=6, dtype=torch.float64)
+    g.step([3, 2])
+    g.step([1, 1])
+    g.check()
+
+
+@pytest.mark.parametrize("kind", ["decoder", "encoder"])
+def test_reorder_follows_caches_memory_and_mask(kind):
+    g = Generation(make_model(kind), N=3, max_length=10, dtype=torch.float64, memory_mask=True)
+    g.step([3, 2, 1])
+    indices = [2, 0, 0]
+    g.state.reorder(torch.tensor(indices))
+    g.tokens = [g.tokens[i].clone() for i in indices]
+    g.memory = [g.memory[i] for i in indices]
+    g.memory_mask = g.memory_mask[indices]
+    g.outputs = [list(g.outputs[i]) for i in indices]
+    g.filled = [g.filled[i] for i in indices]
+    assert g.state.lengths.tolist() == g.filled
+    g.step([1, 2, 1])
+    g.check()
+
+
+@pytest.mark.parametrize("slots", [1, [1], torch.tensor([1]), torch.tensor([False, True, False]), (1,)])
+def test_reset_with_a_new_shorter_memory(slots):
+    model = make_model("decoder")
+    g = Generation(model, N=3, max_length=10, dtype=torch.float64, memory_mask=True)
+    g.step([2, 3, 1])
+    new_memory = torch.randn(S - 2, E, dtype=torch.float64)
+    new_mask = torch.tensor([[False, True, False]])
+    g.state.reset(slots, memory=g.layout(new_memory.unsqueeze(0)), memory_key_padding_mask=new_mask)
+    g.memory[1] = new_memory
+    mask = g.memory_mask.clone()
+    mask[1] = True
+    mask[1, :S - 2] = new_mask[0]
+    g.memory_mask = mask  # the reference masks the positions past the new memory as well
+    g.memory[1] = torch.cat([new_memory, torch.zeros(2, E, dtype=torch.float64)])
+    g.filled[1], g.outputs[1] = 0, []
+    assert g.state.lengths.tolist() == g.filled
+    g.step([1, 2, 1])
+    g.step([1, 1, 1])
+    g.check()
+
+
+def test_reset_without_memory_keeps_the_slots_memory():
+    g = Generation(make_model("transformer"), N=2, max_length=8, dtype=torch.float64)
+    g.step([3, 2])
+    g.state.reset([0])
+    g.filled[0], g.outputs[0] = 0, []
+    g.step([2, 1])
+    g.check()
+    g.state.reset()
+    assert g.state.lengths.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("slots", [0, [0, 2], torch.tensor([0, 2]), torch.tensor([True, False, True])])
+def test_key_value_cache_reset_takes_torch_index_forms(slots):
+    cache = torchmha.KeyValueCache(3, 2, 4, 8)
+    cache.lengths.fill_(3)
+    cache.reset(slots=slots)
+    expected = torch.full((3,), 3)
+    expected[torch.as_tensor(slots)] = 0
+    assert cache.lengths.tolist() == expected.tolist()
+
+
+def test_every_step_reads_the_live_parameters():
+    model = make_model("decoder")
+    dec = torchmha.CachedDecoder(model)
+    memory = torch.randn(S, 1, E, dtype=torch.float64)
+    x = torch.randn(4, 1, E, dtype=torch.float64)
+    before = dec(x, dec.new_state(1, 4, memory=memory))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.train()
+    causal = nn.Transformer.generate_square_subsequent_mask(4, dtype=torch.float64)
+    model(x, memory, tgt_mask=causal).square().sum().backward()  # a training step between two calls
+    optimizer.step()
+    model.layers[1].linear2.weight = nn.Parameter(model.layers[1].linear2.weight.detach() * 2)  # a new Parameter
+    model.eval()
+    after = dec(x, dec.new_state(1, 4, memory=memory))
+    assert (after - before).abs().max() > 1e-3
+    assert_close(after[:, 0], reference(model, x[:, 0], memory[:, 0]))
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_no_grad_and_inference_mode(mode):
+    model = make_model("encoder", dtype=torch.float32)
+    with mode():
+        g = Generation(model, N=2, max_length=6, dtype=torch.float32)
+        g.step([2, 3])
+        g.step([1, 1])
+    g.check()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_within_torchs_own_error(dtype):
+    model64 = make_model("decoder", norm_first=True)
+    model = copy.deepcopy(model64).to(dtype)
+    g = Generation(model, N=2, max_length=8, dtype=dtype)
+    g.step([3, 2])
+    g.step([1, 1])
+    for n in range(2):
+        got = torch.cat(g.outputs[n]).double()
+        tokens = g.tokens[n][:g.filled[n]]
+        exact = reference(model64, tokens.double(), g.memory[n].double())
+        torch_own = reference(model, tokens, g.memory[n]).double()
+        assert (got - exact).abs().max() <= 2 * (torch_own - exact).abs().max() + 1e-2
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def state_snapshot(state):
+    return [t.clone() for t in (state.keys, state.values, state.lengths)]
+
+
+def assert_state_unchanged(g, snapshot):
+    """The lengths are as they were and the next step still equals the full forward."""
+    assert torch.equal(g.state.lengths, snapshot[2])
+    g.step([1] * len(g.tokens))
+    g.check()
+
+
+def test_passing_max_length_raises_naming_the_lengths_and_leaves_the_state():
+    g = Generation(make_model("decoder"), N=2, max_length=6, dtype=torch.float64)
+    g.step([4, 2])
+    snapshot = state_snapshot(g.state)
+    with pytest.raises(RuntimeError, match="holds 4 of its 6 positions and cannot take 3 more"):
+        g.dec(torch.randn(3, 2, E, dtype=torch.float64), g.state)
+    assert_state_unchanged(g, snapshot)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda: torch.randn(1, 3, E, dtype=torch.float64), ValueError, "holds 2 sequences, but tgt"),
+    (lambda: torch.randn(1, 2, E + 1, dtype=torch.float64), ValueError, "d_model is 16"),
+    (lambda: torch.randn(1, 2, E), RuntimeError, "must have the state's dtype and device"),
+    (lambda: torch.randn(1, 2, E, dtype=torch.float64, device="meta"), RuntimeError, "dtype and device"),
+    (lambda: torch.randn(2, E, dtype=torch.float64), AssertionError, r"expected tgt of shape \(T, N, E\)"),
+])
+def test_bad_steps_raise_and_leave_the_state(bad, error, match):
+    g = Generation(make_model("decoder"), N=2, max_length=6, dtype=torch.float64)
+    g.step([2, 1])
+    snapshot = state_snapshot(g.state)
+    with pytest.raises(error, match=match):
+        g.dec(bad(), g.state)
+    assert_state_unchanged(g, snapshot)
+
+
+def test_bad_new_lengths_leave_the_state():
+    g = Generation(make_model("encoder"), N=2, max_length=6, dtype=torch.float64)
+    g.step([2, 1])
+    snapshot = state_snapshot(g.state)
+    with pytest.raises(ValueError, match=r"new_lengths\[1\] must be in \[0, 2\]"):
+        g.dec(torch.randn(2, 2, E, dtype=torch.float64), g.state, torch.tensor([1, 3]))
+    assert_state_unchanged(g, snapshot)
+
+
+def test_training_mode_asks_for_eval():
+    model = make_model("encoder").train()
+    dec = torchmha.CachedDecoder(model)
+    with pytest.raises(ValueError, match=r"model.eval\(\)"):
+        dec(torch.randn(1, 1, E, dtype=torch.float64), dec.new_state(1, 4))
+
+
+def test_memory_for_an_encoder_and_none_for_a_decoder():
+    enc = torchmha.CachedDecoder(make_model("encoder"))
+    with pytest.raises(ValueError, match="encoder has no memory"):
+        enc.new_state(1, 4, memory=torch.randn(S, 1, E, dtype=torch.float64))
+    dec = torchmha.CachedDecoder(make_model("decoder"))
+    with pytest.raises(ValueError, match="needs memory"):
+        dec.new_state(1, 4)
+    with pytest.raises(ValueError, match="holds 1 sequences, but batch_size is 2"):
+        dec.new_state(2, 4, memory=torch.randn(S, 1, E, dtype=torch.float64))
+
+
+class MyLayer(nn.TransformerDecoderLayer):
+    pass
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: nn.Linear(4, 4), "torch.nn.modules.linear.Linear"),
+    (lambda: nn.TransformerDecoder(MyLayer(E, H), 1), "MyLayer"),
+    (lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, activation=torch.tanh), 1), "tanh"),
+])
+def test_other_modules_raise_type_error_naming_the_type(make, name):
+    with pytest.raises(TypeError, match=name):
+        torchmha.CachedDecoder(make())
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+def test_compiled_step_has_no_graph_break_and_no_recompile():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model = make_model("decoder", dtype=torch.float32)
+    dec = torchmha.CachedDecoder(model)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(dec, backend=counter, fullgraph=True)
+    memory = torch.randn(S, 2, E)
+    state = dec.new_state(2, 12, memory=memory)
+    eager_state = dec.new_state(2, 12, memory=memory)
+    with torch.no_grad():
+        for t in range(8):
+            x = torch.randn(1, 2, E)
+            assert_close(step(x, state), dec(x, eager_state), torch.float32)
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} times"
