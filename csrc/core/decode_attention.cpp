@@ -12,7 +12,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -71,6 +73,20 @@ void write_rows(const Tensor& cache, const Tensor& fresh, const Tensor& lengths,
   cache.scatter_(2, index, value);
 }
 
+// The longest prefix any sequence has after the step, where reading it costs nothing: lengths on
+// the CPU, outside tracing (fake and functional tensors carry the Python or Functionalize key).
+// Elsewhere nullopt, and the step attends over the whole capacity with a mask: a static shape on
+// purpose, so that a compiled step is one graph for every length (and no device sync).
+std::optional<int64_t> filled_after_step(const Tensor& lengths, const Tensor& added) {
+  const auto traced = c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
+                                           c10::DispatchKey::PythonTLSSnapshot});
+  if (!lengths.device().is_cpu() || lengths.is_meta() || (lengths.key_set() & traced).empty() == false ||
+      (added.key_set() & traced).empty() == false) {
+    return std::nullopt;
+  }
+  return std::max<int64_t>(1, (lengths + added).max().item<int64_t>());
+}
+
 }  // namespace
 
 Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
@@ -90,18 +106,24 @@ Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Te
   write_rows(k_cache, k_new, lengths, added);
   write_rows(v_cache, v_new, lengths, added);
 
+  // Eager on the CPU: only the filled prefix is read (filled_after_step).
+  const auto filled = filled_after_step(lengths, added);
+  const int64_t keys = filled.value_or(M);
   const Tensor steps = at::arange(T, lengths.options());
   const Tensor row_is_new = steps.unsqueeze(0) < added.unsqueeze(1);  // (N, T)
   // Rows past new_lengths see key 0 only (their result is replaced by zeros), so none is all masked.
   const Tensor last_key = at::where(row_is_new, lengths.unsqueeze(1) + steps, 0);  // (N, T)
-  const Tensor visible = at::arange(M, lengths.options()).view({1, 1, M}) <= last_key.unsqueeze(2);
-  Tensor mask = at::zeros({N, 1, T, M}, q.options())
+  const Tensor visible = at::arange(keys, lengths.options()).view({1, 1, keys}) <= last_key.unsqueeze(2);
+  Tensor mask = at::zeros({N, 1, T, keys}, q.options())
                     .masked_fill(visible.logical_not().unsqueeze(1), -std::numeric_limits<double>::infinity());
-  if (is_present(padding)) {
+  if (is_present(padding) && filled.has_value()) {
+    mask = mask + padding->narrow(1, 0, keys).view({N, 1, 1, keys});  // S covers every filled position
+  } else if (is_present(padding)) {
     const c10::SymInt pad[2] = {0, M - padding->sym_size(1)};  // symbolic S stays symbolic
     mask = mask + at::constant_pad_nd_symint(*padding, pad).view({N, 1, 1, M});
   }
-  const Tensor out = at::scaled_dot_product_attention(q, k_cache, v_cache, mask, dropout_p);
+  const Tensor out = at::scaled_dot_product_attention(q, k_cache.narrow(2, 0, keys), v_cache.narrow(2, 0, keys), mask,
+                                                      dropout_p);
   lengths.add_(added);
   return out.masked_fill(row_is_new.logical_not().view({N, 1, T, 1}), 0);
 }
@@ -173,8 +195,7 @@ void decode_attention_kernel(const Tensor& q, const Tensor& k_new, const Tensor&
       k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
       is_present(padding) ? padding->data_ptr<scalar_t>() : nullptr,
       is_present(padding) ? padding->stride(0) : 0, is_present(padding) ? padding->size(1) : 0,
-      lengths.before.data(), lengths.added.data(), H, q.size(2), k_cache.size(2), D,
-      scalar_t(1) / std::sqrt(scalar_t(D))};
+      lengths.before.data(), lengths.added.data(), H, q.size(2), k_cache.size(2), D, 1.0 / std::sqrt(double(D))};
   const bool avx512 = cpu_capability() == Capability::kAvx512;
   const auto run = [&](int64_t begin, int64_t end) {
     avx512 ? kernel::avx512::decode_heads(problem, begin, end) : kernel::avx2::decode_heads(problem, begin, end);
@@ -198,10 +219,22 @@ void decode_attention_kernel(const Tensor& q, const Tensor& k_new, const Tensor&
   });
 }
 
+// The most new rows a step gives the kernel. Its cost is one pass over the prefix per row (vector
+// products), where the composition's SDPA runs GEMMs: a long prefill goes there.
+// TORCHMHA_DECODE_KERNEL_MAX_ROWS sets it (0: never the kernel).
+int64_t kernel_max_rows() {
+  static const int64_t rows = [] {
+    const char* value = std::getenv("TORCHMHA_DECODE_KERNEL_MAX_ROWS");
+    return value != nullptr ? std::atoll(value) : int64_t(32);
+  }();
+  return rows;
+}
+
 bool kernel_applies(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                     const Tensor& v_cache, const OptionalTensor& padding, double dropout_p) {
   const auto dtype = q.scalar_type();
-  if (cpu_capability() == Capability::kNone || dropout_p > 0.0 || (dtype != at::kFloat && dtype != at::kDouble)) {
+  const bool stored = dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf;
+  if (cpu_capability() == Capability::kNone || dropout_p > 0.0 || !stored || q.size(2) > kernel_max_rows()) {
     return false;
   }
   for (const Tensor* t : {&k_new, &v_new, &k_cache, &v_cache}) {
@@ -225,7 +258,7 @@ Tensor decode_attention_cpu(const Tensor& q, const Tensor& k_new, const Tensor& 
     return decode_attention_reference(q, k_new, v_new, k_cache, v_cache, lengths, new_lengths, padding, dropout_p);
   }
   Tensor out = at::empty(q.sizes(), q.options());  // the kernel writes every row, zeros past new_lengths
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_attention_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention_cpu", [&] {
     decode_attention_kernel<scalar_t>(q, k_new, v_new, k_cache, v_cache, step, padding, out);
   });
   int64_t* filled = lengths.data_ptr<int64_t>();

@@ -24,13 +24,15 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_ne
                         const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                         const OptionalTensor& padding, double dropout_p);
 
-/// The ATen composition: the reference and the fallback (any device; static shapes, so a compiled
-/// step is one graph for every length).
+/// The ATen composition: the reference and the fallback (any device). In eager mode on the CPU it
+/// reads only the filled prefix; elsewhere, and under tracing, the whole capacity with a mask
+/// (static shapes on purpose: a compiled step is one graph for every length, with no device sync).
 Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                                   const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                                   const OptionalTensor& padding, double dropout_p);
 
-/// torchmha's CPU kernel (float and double without dropout; the reference otherwise).
+/// torchmha's CPU kernel (float, double, and bfloat16/float16 computed in float; without dropout,
+/// up to kernel_max_rows new rows); the reference otherwise.
 Tensor decode_attention_cpu(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                             const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                             const OptionalTensor& padding, double dropout_p);

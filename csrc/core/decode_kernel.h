@@ -9,6 +9,11 @@
 
 #include <cstdint>
 
+namespace c10 {  // (declared only: bfloat16 and float16 storage, computed in float)
+struct BFloat16;
+struct Half;
+}  // namespace c10
+
 namespace torchmha::core::kernel {
 
 /// One decoding step's problem: N sequences x H heads, rows of length D.
@@ -22,17 +27,21 @@ struct DecodeProblem {
   int64_t padding_stride, padding_len;
   const int64_t *before, *added;        // lengths before the step, positions added, per sequence
   int64_t H, T, M, D;
-  scalar_t scale;
+  double scale;                         // 1 / sqrt(D)
 };
 
 /// Runs (sequence, head) pairs [begin, end) of `p`: writes their new rows, then attends.
 namespace avx2 {
 void decode_heads(const DecodeProblem<float>& p, int64_t begin, int64_t end);
 void decode_heads(const DecodeProblem<double>& p, int64_t begin, int64_t end);
+void decode_heads(const DecodeProblem<c10::BFloat16>& p, int64_t begin, int64_t end);
+void decode_heads(const DecodeProblem<c10::Half>& p, int64_t begin, int64_t end);
 }  // namespace avx2
 namespace avx512 {
 void decode_heads(const DecodeProblem<float>& p, int64_t begin, int64_t end);
 void decode_heads(const DecodeProblem<double>& p, int64_t begin, int64_t end);
+void decode_heads(const DecodeProblem<c10::BFloat16>& p, int64_t begin, int64_t end);
+void decode_heads(const DecodeProblem<c10::Half>& p, int64_t begin, int64_t end);
 }  // namespace avx512
 
 }  // namespace torchmha::core::kernel

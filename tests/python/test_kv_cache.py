@@ -2,11 +2,13 @@
 and project_key_value: equal to one causal (or cross-attention) forward of torch's, the cache's life
 cycle, what a decoding step rejects, and compiled decoding."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import torchmha
-from helpers import assert_close, causal_mask, decode, mha_pair, padding_mask
+from helpers import run_python_with, assert_close, causal_mask, decode, mha_pair, padding_mask
 
 E, H, N, L = 16, 4, 3, 11
 
@@ -101,10 +103,10 @@ def test_long_sequences_at_different_lengths_split_over_threads(dtype):
         step(ours, seqs, torch.randn(1, len(lengths), 64, dtype=dtype), [1] * len(lengths), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("given", [True, False])
 def test_decode_op_writes_attends_and_advances_each_sequence(dtype, given):
-    """The op alone (the CPU kernel; bfloat16 its ATen reference): each sequence's new rows go to
+    """The op alone (the CPU kernel; bfloat16 and float16 computed in float): each sequence's new rows go to
     its own position, each new row attends to its own prefix, rows past new_lengths are zeros and
     lengths advance by new_lengths (by T when it is None)."""
     Nb, Hb, T, D, M = 3, 2, 2, 8, 9
@@ -117,7 +119,8 @@ def test_decode_op_writes_attends_and_advances_each_sequence(dtype, given):
     out = torch.ops.torchmha.decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, added if given else None,
                                               None, 0.0)
     assert lengths.tolist() == (before + added).tolist()
-    tolerance = dict(atol=2e-2, rtol=0) if dtype == torch.bfloat16 else dict(atol=1e-5 if dtype == torch.float32 else 1e-10, rtol=0)
+    tolerance = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5, torch.float64: 1e-10}[dtype]
+    tolerance = dict(atol=tolerance, rtol=0)
     for n in range(Nb):
         b, a = int(before[n]), int(added[n])
         expected_k[n, :, b:b + a], expected_v[n, :, b:b + a] = k_new[n, :, :a], v_new[n, :, :a]
@@ -131,6 +134,40 @@ def test_decode_op_writes_attends_and_advances_each_sequence(dtype, given):
             torch.testing.assert_close(out[n, :, t:t + 1].double(), expected, **tolerance)
     torch.testing.assert_close(k_cache, expected_k, atol=0, rtol=0)
     torch.testing.assert_close(v_cache, expected_v, atol=0, rtol=0)
+
+
+def decode_runs_sdpa(T, dtype=torch.bfloat16):
+    """Whether a decode step of T new rows runs the ATen composition (SDPA) rather than the kernel."""
+    q = torch.randn(2, 2, T, 16, dtype=dtype)
+    cache = torch.zeros(2, 2, 64, 16, dtype=dtype)
+    with torch.profiler.profile() as prof:
+        torch.ops.torchmha.decode_attention(q, q, q, cache, cache.clone(), torch.tensor([3, 0]), None, None, 0.0)
+    return any("scaled_dot_product" in e.name for e in prof.events())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_kernel_rule_steps_to_the_kernel_and_long_prefills_to_sdpa(dtype):
+    """A step of up to 32 new rows runs the kernel in every floating dtype; a longer prefill runs
+    SDPA's GEMMs (the kernel's per-row passes over the prefix lose there)."""
+    assert not decode_runs_sdpa(1, dtype) and not decode_runs_sdpa(32, dtype)
+    assert decode_runs_sdpa(33, dtype)
+
+
+def test_decode_kernel_setting_forces_the_composition():
+    code = "import sys; sys.path.insert(0, %r); import torchmha, test_kv_cache as t; assert t.decode_runs_sdpa(1)"
+    run_python_with(code % str(Path(__file__).parent), set_env={"TORCHMHA_DECODE_KERNEL_MAX_ROWS": "0"})
+
+
+def test_composition_reads_only_the_filled_prefix():
+    """Eager on the CPU, the ATen path attends over the filled positions only, so its cost follows
+    what is filled, not the capacity: NaN in the unfilled positions cannot reach the result (over
+    the whole capacity with a mask, 0 * NaN would)."""
+    q = torch.randn(2, 2, 40, 8)  # 40 rows: the composition
+    k_cache, v_cache = torch.full((2, 2, 128, 8), float("nan")), torch.full((2, 2, 128, 8), float("nan"))
+    out = torch.ops.torchmha.decode_attention(q, q, q, k_cache, v_cache, torch.tensor([0, 0]), None, None, 0.0)
+    assert not out.isnan().any()
+    expected = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
 
 def test_new_lengths_and_lengths_are_checked():
