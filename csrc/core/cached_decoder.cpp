@@ -9,6 +9,7 @@
 #include <torchmha/errors.h>
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <limits>
 
@@ -41,12 +42,16 @@ LayerNormWeights norm_from_slots(at::ArrayRef<OptionalTensor> params, int64_t la
   return {slot(params, layer, weight), slot(params, layer, LayerSlot(weight + 1)), eps};
 }
 
-Tensor activate(const Tensor& x, Activation activation) {
-  switch (activation) {
+Tensor activate(const Tensor& x, const Activation& activation) {
+  switch (activation.kind) {
     case Activation::kRelu: return at::relu(x);
     case Activation::kGelu: return at::gelu(x);
     case Activation::kGeluTanh: return at::gelu(x, "tanh");
     case Activation::kSilu: return at::silu(x);
+    case Activation::kOp: {
+      const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(activation.op.c_str(), "");
+      return op.typed<Tensor(const Tensor&)>().call(x);
+    }
   }
   TORCH_INTERNAL_ASSERT(false, "unknown activation");
 }
@@ -124,11 +129,13 @@ Tensor slot_index(const OptionalTensor& slots, const Tensor& lengths) {
 }  // namespace
 
 Activation parse_activation(c10::string_view name) {
-  if (name == "relu") return Activation::kRelu;
-  if (name == "gelu") return Activation::kGelu;
-  if (name == "gelu_tanh") return Activation::kGeluTanh;
-  if (name == "silu") return Activation::kSilu;
-  TORCH_CHECK_VALUE(false, kWho, ": activation should be relu, gelu, gelu_tanh or silu, not ", name);
+  if (name == "relu") return {Activation::kRelu, {}};
+  if (name == "gelu") return {Activation::kGelu, {}};
+  if (name == "gelu_tanh") return {Activation::kGeluTanh, {}};
+  if (name == "silu") return {Activation::kSilu, {}};
+  TORCH_CHECK_VALUE(name.substr(0, 3) == "op:", kWho, ": activation should be relu, gelu, gelu_tanh, silu or ",
+                    "op:<an op Tensor(Tensor)>, not ", name);
+  return {Activation::kOp, std::string(name.substr(3))};
 }
 
 Stack stack_from_slots(at::ArrayRef<OptionalTensor> params, int64_t num_heads, at::ArrayRef<c10::string_view> activations,

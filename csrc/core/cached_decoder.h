@@ -11,14 +11,20 @@
 #include <c10/util/string_view.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
 namespace torchmha::core {
 
-/// The feed-forward activations a step computes itself (torch's strings and the callables
-/// torch's layers are commonly built with; the Python shell maps a callable to its name).
-enum class Activation { kRelu, kGelu, kGeluTanh, kSilu };
+/// A layer's feed-forward activation: one the step computes itself (torch's strings and the
+/// callables torch's layers are commonly built with; the Python shell maps a callable to its
+/// name), or any other callable as an op `Tensor(Tensor)` called through the dispatcher, named
+/// "op:<namespace>::<name>" (the Python shell registers one per callable).
+struct Activation {
+  enum Kind { kRelu, kGelu, kGeluTanh, kSilu, kOp } kind = kRelu;
+  std::string op;  // kOp: the op's qualified name
+};
 Activation parse_activation(c10::string_view name);
 
 struct LayerNormWeights {
@@ -34,7 +40,7 @@ struct StackLayer {
   Tensor linear1_weight, linear2_weight;
   OptionalTensor linear1_bias, linear2_bias;
   LayerNormWeights norm1, norm2, norm3;
-  Activation activation = Activation::kRelu;
+  Activation activation;
   bool norm_first = false;
 };
 

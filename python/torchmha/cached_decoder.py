@@ -27,6 +27,12 @@ _ATTENTIONS = (nn.MultiheadAttention, MultiheadAttention)
 _ACTIVATION_FUNCTIONS = {F.relu: "relu", torch.relu: "relu", F.gelu: "gelu", F.silu: "silu"}
 
 
+# Other callables, each registered once as an op Tensor(Tensor) that the C++ step calls through
+# the dispatcher (a fake kernel keeps it traceable): id -> (the callable, kept alive so that its
+# id stays its own; the op's name).
+_CUSTOM_ACTIVATIONS: dict = {}
+
+
 def _activation_name(activation) -> str:
     if activation in _ACTIVATION_FUNCTIONS:
         return _ACTIVATION_FUNCTIONS[activation]
@@ -36,10 +42,25 @@ def _activation_name(activation) -> str:
         return "silu"
     if type(activation) is nn.GELU:
         return "gelu_tanh" if activation.approximate == "tanh" else "gelu"
-    raise TypeError(
-        f"CachedDecoder: the layers' activation {activation!r} is not one the C++ step computes "
-        "(relu, gelu, silu: torch's strings, F.relu/F.gelu/F.silu, nn.ReLU/nn.GELU/nn.SiLU)"
-    )
+    if not callable(activation):
+        raise TypeError(f"CachedDecoder: the layers' activation must be a string or a callable, not "
+                        f"{_type_name(activation)}")
+    if id(activation) not in _CUSTOM_ACTIVATIONS:
+        _CUSTOM_ACTIVATIONS[id(activation)] = (activation, _register_activation(activation))
+    return "op:" + _CUSTOM_ACTIVATIONS[id(activation)][1]
+
+
+def _register_activation(activation) -> str:
+    name = f"torchmha_activations::activation_{len(_CUSTOM_ACTIVATIONS)}"
+
+    @torch.library.custom_op(name, mutates_args=())
+    def apply(x: Tensor) -> Tensor:
+        y = activation(x)
+        # an op's output may not alias its input (an in-place or identity activation would)
+        return y.clone() if y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else y
+
+    apply.register_fake(lambda x: torch.empty_like(x))
+    return name
 
 
 def _type_name(obj) -> str:
@@ -160,7 +181,8 @@ class CachedDecoder(nn.Module):
     ``nn.TransformerDecoder``, or an ``nn.TransformerEncoder`` run causally (a decoder-only
     model), whose layers are exactly torch's ``nn.TransformerDecoderLayer`` /
     ``nn.TransformerEncoderLayer`` (their attention torch's or torchmha's). Any configuration
-    torch's layers have: norm_first, relu/gelu/silu activations, bias=False, batch_first,
+    torch's layers have: norm_first, any activation (relu, gelu and silu computed in C++, any other
+    callable called from the step through an op registered for it), bias=False, batch_first,
     layer_norm_eps, a final LayerNorm or none, any float dtype, the model's device.
 
     Each call ``dec(tgt, state, new_lengths=None)`` appends ``tgt``'s positions to each sequence and
