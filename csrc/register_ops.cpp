@@ -12,6 +12,7 @@
 #include "core/blocked_attention.h"
 #include "core/decode_attention.h"
 #include "core/explicit_attention.h"
+#include "core/small_linear.h"
 
 #include <torch/library.h>
 
@@ -72,6 +73,8 @@ TORCH_LIBRARY(torchmha, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor(c!) lengths, Tensor? new_lengths, Tensor? padding, float dropout_p) -> Tensor");
+  // The linear layers of a decoding step, for a few rows of x (small_linear.h).
+  m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // The attention with weights inside multi_head_attention_forward, where no gradient or dropout
   // is needed: a kernel per device (explicit_attention.h).
   m.def("attention_with_weights(Tensor q, Tensor k, Tensor v, Tensor? mask, bool average) -> (Tensor, Tensor)");
@@ -105,11 +108,12 @@ TORCH_LIBRARY(torchmha, m) {
       TORCH_FN(torchmha::transformer_block));
 }
 
-// decode_attention, attention_with_weights and blocked_attention: torchmha's own CPU kernels; the ATen composition
+// decode_attention, small_linear, attention_with_weights and blocked_attention: torchmha's own CPU kernels; the ATen composition
 // on every other device and for Meta/fake tensors (tracing). Both serve inference only: they have
 // no autograd formula (the core takes the differentiable composition where gradients are needed).
 TORCH_LIBRARY_IMPL(torchmha, CPU, m) {
   m.impl("decode_attention", TORCH_FN(torchmha::core::decode_attention_cpu));
+  m.impl("small_linear", TORCH_FN(torchmha::core::small_linear_cpu));
   m.impl("attention_with_weights", TORCH_FN(torchmha::core::attention_with_weights_cpu));
   m.impl("blocked_attention", TORCH_FN(torchmha::core::blocked_attention_cpu));
   m.impl("blocked_attention_backward", TORCH_FN(torchmha::core::blocked_attention_backward_cpu));
@@ -121,6 +125,7 @@ TORCH_LIBRARY_IMPL(torchmha, Meta, m) {
 
 TORCH_LIBRARY_IMPL(torchmha, CompositeExplicitAutograd, m) {
   m.impl("decode_attention", TORCH_FN(torchmha::core::decode_attention_reference));
+  m.impl("small_linear", TORCH_FN(torchmha::core::small_linear_reference));
   m.impl("attention_with_weights", TORCH_FN(torchmha::core::attention_with_weights_reference));
   m.impl("blocked_attention", TORCH_FN(torchmha::core::blocked_attention_reference));
   m.impl("blocked_attention_backward", TORCH_FN(torchmha::core::blocked_attention_backward_reference));

@@ -2,6 +2,8 @@
 
 #include "attend.h"
 
+#include "small_linear.h"
+
 #include "blocked_attention.h"
 #include "explicit_attention.h"
 #include "in_projection.h"
@@ -129,9 +131,9 @@ Tensor project_output(const Tensor& heads, const AttentionWeights& weights, bool
   // transposed view; its fused path returns (N, L, E) contiguous. The same strides here, so a
   // dropout after the attention draws the same mask under a seed.
   if (batch_first && contiguous) {
-    return at::linear(heads.transpose(1, 2).flatten(-2), weights.out_weight, weights.out_bias);
+    return linear_layer(heads.transpose(1, 2).flatten(-2), weights.out_weight, weights.out_bias);
   }
-  auto output = at::linear(merge_heads(heads), weights.out_weight, weights.out_bias);
+  auto output = linear_layer(merge_heads(heads), weights.out_weight, weights.out_bias);
   return batch_first ? output.transpose(0, 1) : output;
 }
 

@@ -5,6 +5,7 @@
 #include "attend.h"
 #include "cached_attention.h"
 #include "checks.h"
+#include "small_linear.h"
 
 #include <torchmha/errors.h>
 
@@ -98,8 +99,8 @@ Tensor layer_step(Tensor x, const StackLayer& layer, int64_t index, const StackS
                                            *layer.cross_attn, cross_call);
   };
   const auto feed_forward = [&](const Tensor& y) {
-    return at::linear(activate(at::linear(y, layer.linear1_weight, layer.linear1_bias), layer.activation),
-                      layer.linear2_weight, layer.linear2_bias);
+    return linear_layer(activate(linear_layer(y, layer.linear1_weight, layer.linear1_bias), layer.activation),
+                        layer.linear2_weight, layer.linear2_bias);
   };
   const bool cross = layer.cross_attn.has_value();
   const LayerNormWeights& ff_norm = cross ? layer.norm3 : layer.norm2;

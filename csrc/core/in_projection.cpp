@@ -2,6 +2,8 @@
 
 #include "in_projection.h"
 
+#include "small_linear.h"
+
 #include <torchmha/errors.h>
 
 #include <ATen/ops/linear.h>
@@ -113,7 +115,7 @@ namespace {
 // batch_first inputs over transposed.
 Tensor linear_in_torch_layout(const Tensor& x, const Tensor& weight, const OptionalTensor& bias, bool batch_first) {
   if (!batch_first || x.dim() != 3 || !is_present(bias) || bias->scalar_type() == x.scalar_type()) {
-    return at::linear(x, weight, bias);
+    return linear_layer(x, weight, bias);
   }
   return at::linear(x.transpose(0, 1), weight, bias).transpose(0, 1);
 }

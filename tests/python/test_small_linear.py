@@ -1,0 +1,72 @@
+"""The small-batch linear op (csrc/core/small_linear.cpp, linear_kernel_impl.h): a decoding step's
+linear layers, y = x W^T + b for at most 8 rows of x, by torchmha's CPU kernel."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.library import opcheck
+
+import torchmha  # noqa: F401  (registers the ops)
+from helpers import run_python_with
+
+op = torch.ops.torchmha.small_linear
+# Against float64: the kernel's error within a small multiple of torch's own (F.linear in the dtype).
+SLACK = {torch.float32: 1e-5, torch.bfloat16: 0, torch.float16: 0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("K, O, bias", [(64, 40, True), (37, 13, False), (512, 2048, True)])
+def test_small_linear_matches_linear(dtype, rows, K, O, bias):
+    """Every row count the kernel unrolls, K with a tail past whole vectors, O past the block of
+    output features, with and without bias."""
+    x = torch.randn(rows, K, dtype=dtype)
+    w = torch.randn(O, K, dtype=dtype) / K**0.5
+    b = torch.randn(O, dtype=dtype) if bias else None
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    ours = op(x, w, b)
+    torch_own = (F.linear(x, w, b).double() - exact).abs().max()
+    assert ours.dtype == dtype and ours.shape == (rows, O)
+    assert (ours.double() - exact).abs().max() <= 2 * torch_own + SLACK[dtype] + 1e-6
+
+
+def test_strided_weight_rows_and_batched_input():
+    """A packed in-projection's q rows (a narrowed view, row stride K) and a (T, N, K) input."""
+    packed = torch.randn(3 * 32, 32)
+    x = torch.randn(2, 3, 32).transpose(0, 1)  # not contiguous
+    torch.testing.assert_close(op(x, packed[32:64], None), F.linear(x, packed[32:64]), atol=1e-5, rtol=0)
+
+
+def linear_ops_in_a_step(grad):
+    """Which linear op a decoding step of a torchmha module runs: (small_linear calls, addmm calls)."""
+    mha = torchmha.MultiheadAttention(32, 4).eval()
+    cache = torchmha.KeyValueCache.for_module(mha, 2, 8)
+    with torch.set_grad_enabled(grad), torch.profiler.profile() as prof:
+        mha.forward_with_cache(torch.randn(1, 2, 32), cache)
+    names = [e.name for e in prof.events()]
+    return names.count("torchmha::small_linear"), names.count("aten::addmm")
+
+
+def test_a_step_takes_the_kernel_without_gradients_and_aten_with():
+    """Inference: both projections through the op (and no ATen GEMM); with gradients, at::linear
+    (the op has no autograd formula)."""
+    assert linear_ops_in_a_step(grad=False) == (2, 0)
+    small, addmm = linear_ops_in_a_step(grad=True)
+    assert small == 0 and addmm == 2
+
+
+def test_setting_keeps_aten():
+    code = ("import sys; sys.path.insert(0, %r); import test_small_linear as t; "
+            "s, a = t.linear_ops_in_a_step(False); assert s == 0 and a == 2, (s, a)")
+    import pathlib
+    run_python_with(code % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_SMALL_LINEAR": "0"})
+
+
+def test_more_rows_than_the_kernel_takes_are_aten():
+    x, w = torch.randn(9, 16), torch.randn(8, 16)
+    torch.testing.assert_close(op(x, w, None), F.linear(x, w), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(dtype):
+    opcheck(op, (torch.randn(3, 24, dtype=dtype), torch.randn(10, 24, dtype=dtype), torch.randn(10, dtype=dtype)))
