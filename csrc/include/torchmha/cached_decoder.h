@@ -1,0 +1,122 @@
+#pragma once
+
+// Cached generation with LibTorch's own Transformer stacks: torchmha::CachedDecoder runs a
+// torch::nn::TransformerDecoder, or a torch::nn::TransformerEncoder run causally (a decoder-only
+// model), one step at a time over a key/value cache, one functional call a step (decoder_step in
+// functional.h). The C++ counterpart of Python's torchmha.CachedDecoder. Shapes: L layers, N batch,
+// H heads, D head_dim, M capacity, S memory length, T new positions, E d_model. LibTorch's layers
+// are sequence-first: tgt (T, N, E), memory (S, N, E).
+
+#include <torchmha/export.h>
+
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+#include <torch/nn/modules/transformercoder.h>
+
+#include <optional>
+#include <tuple>
+#include <utility>
+
+namespace torchmha {
+
+class DecoderState;
+
+/// Incremental generation through a LibTorch Transformer stack with a key/value cache. Each
+/// forward(tgt, state) appends tgt's positions to each sequence and returns the stack's output
+/// there, equal to the module's forward over each sequence's own prefix with a causal tgt_mask
+/// (src_mask for an encoder). The layers may use kReLU or kGELU; a std::function activation is
+/// refused (c10::TypeError). The model must be in eval mode (dropout would make steps differ).
+/// The modules are held, not copied: every step reads their current parameters.
+/// ```
+/// torch::nn::TransformerDecoder model(torch::nn::TransformerDecoderOptions(layer, 6));
+/// model->eval();
+/// torchmha::CachedDecoder dec(model);
+/// auto state = dec.new_state(/*batch_size=*/4, /*max_length=*/256, memory);  // memory (S, 4, E)
+/// auto y = dec(prompt, state);   // prefill: prompt (T, 4, E) -> the model's output there
+/// y = dec(x_t, state);           // then one position at a time, (1, 4, E)
+/// state.reorder(beams);          // beam search
+/// state.reset(finished, new_memory);  // new requests in those slots
+/// ```
+class TORCHMHA_API CachedDecoder {
+ public:
+  /// Throws c10::ValueError for a stack without layers, c10::TypeError for a layer, attention,
+  /// activation or final norm (not a LayerNorm) that the step cannot compute.
+  explicit CachedDecoder(torch::nn::TransformerDecoder decoder);
+  explicit CachedDecoder(torch::nn::TransformerEncoder encoder);
+
+  /// An empty state for batch_size sequences of up to max_length positions, in the model's dtype
+  /// and device. A decoder needs its memory (S, N, E), projected here once per layer, and takes
+  /// memory_key_padding_mask (N, S): bool (true = ignore) or float (added). An encoder takes
+  /// neither (c10::ValueError).
+  DecoderState new_state(int64_t batch_size, int64_t max_length, const at::Tensor& memory = {},
+                         const at::Tensor& memory_key_padding_mask = {}) const;
+
+  /// Appends tgt (T, N, E) to the sequences of `state` and returns the model's output at those
+  /// positions; sequence n takes its first new_lengths[n] ((N,) int64; all T if undefined), and
+  /// its rows past that are zeros.
+  at::Tensor forward(const at::Tensor& tgt, DecoderState& state, const at::Tensor& new_lengths = {}) const;
+  at::Tensor operator()(const at::Tensor& tgt, DecoderState& state, const at::Tensor& new_lengths = {}) const {
+    return forward(tgt, state, new_lengths);
+  }
+
+  /// The layers' parameters in decoder_step's order (functional.h: 18 a layer, then the final
+  /// norm's weight and bias), read from the modules now.
+  c10::List<std::optional<at::Tensor>> parameter_list() const;
+
+  bool is_decoder() const { return static_cast<bool>(decoder_); }
+  int64_t num_layers() const;
+  int64_t num_heads() const { return num_heads_; }
+  int64_t head_dim() const { return head_dim_; }
+
+ private:
+  friend class DecoderState;
+  const torch::nn::ModuleList& layers() const;
+  const torch::nn::AnyModule& final_norm() const;
+  void check_stack();
+  /// decoder_memory through the current parameters: {memory_keys, memory_values, memory_padding}.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> project_memory(const at::Tensor& memory,
+                                                                const at::Tensor& memory_key_padding_mask) const;
+
+  // Exactly one of the two is set.
+  torch::nn::TransformerDecoder decoder_{nullptr};
+  torch::nn::TransformerEncoder encoder_{nullptr};
+  int64_t num_heads_ = 0, head_dim_ = 0;
+};
+
+/// What a generation holds between steps, from CachedDecoder::new_state: keys() and values()
+/// (L, N, H, M, D), the self-attention caches; lengths() (N,) int64, the positions filled per
+/// sequence; a decoder's memory_keys() and memory_values() (L, N, H, S, D), projected once, and
+/// memory_padding() (N, S), additive (undefined for an encoder). Every step writes it in place.
+class TORCHMHA_API DecoderState {
+ public:
+  /// Beam search: sequence i becomes old sequence indices[i]: its caches, length, memory and
+  /// memory mask (in place).
+  void reorder(const at::Tensor& indices);
+  /// Empties the sequences `slots` (a 1-D integer index or a bool mask; all if undefined), so new
+  /// ones start there while the others go on. A decoder's new sequences may bring their own
+  /// `memory` (S', k, E) for the k slots named, S' <= S (the rest masked), and its
+  /// memory_key_padding_mask (k, S'); without one they keep the memory they had.
+  void reset(const at::Tensor& slots = {}, const at::Tensor& memory = {},
+             const at::Tensor& memory_key_padding_mask = {});
+
+  const at::Tensor& keys() const { return keys_; }
+  const at::Tensor& values() const { return values_; }
+  /// Positions filled per sequence, (N,) int64 (each step advances it in place).
+  const at::Tensor& lengths() const { return lengths_; }
+  const at::Tensor& memory_keys() const { return memory_keys_; }
+  const at::Tensor& memory_values() const { return memory_values_; }
+  const at::Tensor& memory_padding() const { return memory_padding_; }
+  int64_t batch_size() const { return keys_.size(1); }
+  int64_t max_length() const { return keys_.size(3); }
+
+ private:
+  friend class CachedDecoder;
+  explicit DecoderState(CachedDecoder decoder) : decoder_(std::move(decoder)) {}
+
+  // reset() projects a new memory through it (it holds the modules, so their current parameters).
+  CachedDecoder decoder_;
+  at::Tensor keys_, values_, lengths_;
+  at::Tensor memory_keys_, memory_values_, memory_padding_;
+};
+
+}  // namespace torchmha
