@@ -1,0 +1,41 @@
+"""The examples and the README's code run as written: examples/generate.py with tiny sizes (same
+tokens with and without the cache, a plot written), and the README's Generation code block, so
+neither can drift from the API."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def readme_python_block(heading: str) -> str:
+    """The first ```python block of the README's section `## heading`."""
+    readme = (ROOT / "README.md").read_text()
+    section = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", readme, re.MULTILINE | re.DOTALL)
+    assert section, f"README.md has no '## {heading}' section"
+    block = re.search(r"^```python\n(.*?)^```", section.group(1), re.MULTILINE | re.DOTALL)
+    assert block, f"README.md's '{heading}' section has no python code block"
+    return block.group(1)
+
+
+@pytest.mark.slow  # spawns a Python process (a few seconds, most of it importing torch)
+def test_generate_example_runs_and_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "g.png"
+    command = [sys.executable, str(ROOT / "examples" / "generate.py"), "--d-model", "32", "--heads", "4",
+               "--layers", "2", "--vocab", "50", "--source-length", "5", "--new-tokens", "6", "--beam", "2",
+               "--plot", str(plot)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    print(result.stdout, result.stderr, sep="\n")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "same tokens both ways" in result.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_readme_generation_block_runs():
+    code = readme_python_block("Generation")
+    exec(compile(code, "README.md (Generation)", "exec"), {"__name__": "readme_generation"})
