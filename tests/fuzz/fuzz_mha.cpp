@@ -1,6 +1,6 @@
 // libFuzzer target for torchmha's C++ entry points (make test-fuzz). The input bytes choose the
-// shapes, dtypes, options and masks of one call into the functional core and the packed
-// in-projection; a c10::Error (what Python sees as AssertionError, RuntimeError or ValueError) is an
+// shapes, dtypes, options and masks of one call into the functional core, the packed
+// in-projection, or a cached decoding step (the decode kernel reads raw pointers); a c10::Error (what Python sees as AssertionError, RuntimeError or ValueError) is an
 // accepted answer to bad input. A crash, any other exception, or a sanitizer report is a bug.
 
 #include <torchmha/torchmha.h>
@@ -111,15 +111,45 @@ void fuzz_packed_projection(Choices& c) {
   torchmha::in_projection_packed(q, k, v, w, c.flag() ? std::optional<at::Tensor>(at::randn({3 * E})) : std::nullopt);
 }
 
+// One cached decoding step: random lengths (some past the capacity), new_lengths (some out of
+// range), padding masks, dtypes and cache shapes, through the decode kernel (up to 32 new rows)
+// and the ATen composition (longer steps, dropout).
+void fuzz_cached_step(Choices& c) {
+  const int64_t H = 1 + c.below(3), D = 1 + c.below(5), E = H * D, N = c.below(4), M = 1 + c.below(6);
+  const int64_t T = c.below(8) == 0 ? 33 : c.below(5);
+  const at::ScalarType dtypes[] = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf};
+  const auto options = at::TensorOptions().dtype(dtypes[c.below(4)]);
+  const bool batch_first = c.flag();
+  auto query = batch_first ? at::randn({N, T, E}, options) : at::randn({T, N, E}, options);
+  const int64_t cache_heads = c.below(8) == 0 ? H + 1 : H;  // sometimes a cache for another model
+  auto k_cache = at::randn({N, cache_heads, M, D}, options), v_cache = at::randn({N, cache_heads, M, D}, options);
+  auto lengths = at::randint(0, M + 2, {N}, at::kLong);
+  std::optional<at::Tensor> new_lengths;
+  if (c.flag()) {
+    new_lengths = at::randint(-1, T + 2, {N}, at::kLong);
+  }
+  std::optional<at::Tensor> padding;
+  if (c.flag()) {
+    const int64_t S = c.below(M + 2);
+    padding = c.flag() ? at::rand({N, S}) > 0.7 : at::randn({N, S}, options);
+  }
+  const double dropout = c.below(4) == 0 ? 0.25 : 0.0;
+  at::NoGradGuard inference;
+  torchmha::attention_with_cache(query, k_cache, v_cache, lengths, H, at::randn({3 * E, E}, options),
+                                 at::randn({3 * E}, options), at::randn({E, E}, options), std::nullopt, padding,
+                                 dropout, /*training=*/dropout > 0, batch_first, std::nullopt, std::nullopt,
+                                 std::nullopt, std::nullopt, std::nullopt, false, new_lengths);
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Choices choices(data, size);
   try {
-    if (choices.below(4) == 0) {
-      fuzz_packed_projection(choices);
-    } else {
-      fuzz_one_call(choices);
+    switch (choices.below(4)) {
+      case 0: fuzz_packed_projection(choices); break;
+      case 1: fuzz_cached_step(choices); break;
+      default: fuzz_one_call(choices);
     }
   } catch (const c10::Error& e) {
     // Rejected bad input with torchmha's or ATen's error: the expected outcome. An internal
