@@ -219,13 +219,16 @@ void decode_attention_kernel(const Tensor& q, const Tensor& k_new, const Tensor&
   });
 }
 
-// The most new rows a step gives the kernel. Its cost is one pass over the prefix per row (vector
-// products), where the composition's SDPA runs GEMMs: a long prefill goes there.
-// TORCHMHA_DECODE_KERNEL_MAX_ROWS sets it (0: never the kernel).
+// The most new rows a step gives the kernel: any number. Its cost is one pass over the prefix per
+// row, and the composition's SDPA runs GEMMs, but the composition also builds a (N, 1, T, keys)
+// mask: the kernel measured faster at every size tried (AMD EPYC, avx512f, 2 threads, E=512, H=8;
+// float32 and bfloat16): 0.05-0.18x the composition's time for T = 8..128 new rows at prefix 0,
+// 0.43-0.85x at prefix 1000, 0.23-0.49x at batch 8 prefix 200, 0.27-0.40x for a whole prefill of
+// 256-1024 rows. TORCHMHA_DECODE_KERNEL_MAX_ROWS sets a limit (0: never the kernel).
 int64_t kernel_max_rows() {
   static const int64_t rows = [] {
     const char* value = std::getenv("TORCHMHA_DECODE_KERNEL_MAX_ROWS");
-    return value != nullptr ? std::atoll(value) : int64_t(32);
+    return value != nullptr ? std::atoll(value) : std::numeric_limits<int64_t>::max();
   }();
   return rows;
 }

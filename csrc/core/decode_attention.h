@@ -31,8 +31,8 @@ Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Te
                                   const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                                   const OptionalTensor& padding, double dropout_p);
 
-/// torchmha's CPU kernel (float, double, and bfloat16/float16 computed in float; without dropout,
-/// up to kernel_max_rows new rows); the reference otherwise.
+/// torchmha's CPU kernel (float, double, and bfloat16/float16 computed in float; without dropout;
+/// TORCHMHA_DECODE_KERNEL_MAX_ROWS limits the new rows it takes); the reference otherwise.
 Tensor decode_attention_cpu(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                             const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                             const OptionalTensor& padding, double dropout_p);

@@ -146,11 +146,16 @@ def decode_runs_sdpa(T, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_decode_kernel_rule_steps_to_the_kernel_and_long_prefills_to_sdpa(dtype):
-    """A step of up to 32 new rows runs the kernel in every floating dtype; a longer prefill runs
-    SDPA's GEMMs (the kernel's per-row passes over the prefix lose there)."""
-    assert not decode_runs_sdpa(1, dtype) and not decode_runs_sdpa(32, dtype)
-    assert decode_runs_sdpa(33, dtype)
+def test_decode_kernel_rule_takes_every_step_and_prefill(dtype):
+    """The kernel runs in every floating dtype, for a step and for a long prefill alike (it beat
+    the composition at every size measured: decode_attention.cpp)."""
+    assert not decode_runs_sdpa(1, dtype) and not decode_runs_sdpa(40, dtype)
+
+
+def test_decode_kernel_setting_limits_its_rows():
+    code = ("import sys; sys.path.insert(0, %r); import torchmha, test_kv_cache as t; "
+            "assert not t.decode_runs_sdpa(4) and t.decode_runs_sdpa(5)")
+    run_python_with(code % str(Path(__file__).parent), set_env={"TORCHMHA_DECODE_KERNEL_MAX_ROWS": "4"})
 
 
 def test_decode_kernel_setting_forces_the_composition():
@@ -162,9 +167,10 @@ def test_composition_reads_only_the_filled_prefix():
     """Eager on the CPU, the ATen path attends over the filled positions only, so its cost follows
     what is filled, not the capacity: NaN in the unfilled positions cannot reach the result (over
     the whole capacity with a mask, 0 * NaN would)."""
-    q = torch.randn(2, 2, 40, 8)  # 40 rows: the composition
+    q = torch.randn(2, 2, 40, 8)
     k_cache, v_cache = torch.full((2, 2, 128, 8), float("nan")), torch.full((2, 2, 128, 8), float("nan"))
-    out = torch.ops.torchmha.decode_attention(q, q, q, k_cache, v_cache, torch.tensor([0, 0]), None, None, 0.0)
+    # dropout takes the composition; p = 1e-12 drops nothing in practice
+    out = torch.ops.torchmha.decode_attention(q, q, q, k_cache, v_cache, torch.tensor([0, 0]), None, None, 1e-12)
     assert not out.isnan().any()
     expected = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
