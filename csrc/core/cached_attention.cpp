@@ -142,10 +142,19 @@ Tensor checked_reorder_index(const Tensor& indices, const Tensor& lengths, const
 
 void reorder_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths, const Tensor& indices) {
   const Tensor index = checked_reorder_index(indices, lengths, "KeyValueCache.reorder");
-  // index_select copies the rows first, so row i may read a row that is overwritten in place.
-  for (const Tensor* t : {&k_cache, &v_cache, &lengths}) {
-    t->copy_(t->index_select(0, index));
-  }
+  const auto filled = filled_length(lengths);
+  reorder_rows(k_cache, 0, 2, index, filled);
+  reorder_rows(v_cache, 0, 2, index, filled);
+  lengths.copy_(lengths.index_select(0, index));
+}
+
+void reorder_rows(const Tensor& cache, int64_t batch_dim, int64_t position_dim, const Tensor& index,
+                  std::optional<int64_t> filled) {
+  // Only the filled prefix moves where its length is known for free (filled_length): the rest
+  // holds nothing any sequence reads. index_select copies first, so row i may read a row that
+  // is overwritten in place.
+  const Tensor rows = filled.has_value() ? cache.narrow(position_dim, 0, *filled) : cache;
+  rows.copy_(rows.index_select(batch_dim, index));
 }
 
 void reset_cache(const Tensor& lengths, const OptionalTensor& slots) {

@@ -8,6 +8,7 @@
 
 #include <c10/core/SymInt.h>
 
+#include <optional>
 #include <tuple>
 
 namespace torchmha::core {
@@ -36,6 +37,10 @@ Tensor zero_rows_past(const Tensor& output, const OptionalTensor& new_lengths, b
 /// Beam search's indices ((N,) integers, N = lengths' size) as an int64 index on lengths' device;
 /// `who` names the caller in the error.
 Tensor checked_reorder_index(const Tensor& indices, const Tensor& lengths, const char* who);
+/// Beam search on one cache tensor: along batch_dim, row i becomes old row index[i], over the
+/// first `filled` positions along position_dim (all if nullopt; see filled_length), in place.
+void reorder_rows(const Tensor& cache, int64_t batch_dim, int64_t position_dim, const Tensor& index,
+                  std::optional<int64_t> filled);
 /// Beam search: sequence i of the cache becomes old sequence indices[i], with its length (in place).
 void reorder_cache(const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths, const Tensor& indices);
 /// Empties the sequences `slots` (an index or a bool mask; all if absent): their lengths become 0.

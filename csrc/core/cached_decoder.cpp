@@ -5,6 +5,7 @@
 #include "attend.h"
 #include "cached_attention.h"
 #include "checks.h"
+#include "decode_attention.h"
 #include "small_linear.h"
 
 #include <torchmha/errors.h>
@@ -226,18 +227,15 @@ Tensor memory_padding(const OptionalTensor& mask, int64_t batch, int64_t src_len
 
 void reorder_stack_state(const StackState& state, const Tensor& indices) {
   const Tensor index = checked_reorder_index(indices, state.lengths, "CachedDecoder state.reorder");
-  // index_select copies first, so row i may read a row that is overwritten in place.
-  for (const OptionalTensor& t : {OptionalTensor(state.keys), OptionalTensor(state.values), state.memory_keys,
-                                  state.memory_values}) {
-    if (is_present(t)) {
-      t->copy_(t->index_select(1, index));
-    }
+  const auto filled = filled_length(state.lengths);
+  reorder_rows(state.keys, 1, 3, index, filled);
+  reorder_rows(state.values, 1, 3, index, filled);
+  if (is_present(state.memory_keys)) {
+    reorder_rows(*state.memory_keys, 1, 3, index, std::nullopt);
+    reorder_rows(*state.memory_values, 1, 3, index, std::nullopt);
+    reorder_rows(*state.memory_padding, 0, 1, index, std::nullopt);
   }
-  for (const OptionalTensor& t : {OptionalTensor(state.lengths), state.memory_padding}) {
-    if (is_present(t)) {
-      t->copy_(t->index_select(0, index));
-    }
-  }
+  state.lengths.copy_(state.lengths.index_select(0, index));
 }
 
 void reset_stack_state(const StackState& state, const OptionalTensor& slots, const OptionalTensor& new_keys,
@@ -249,11 +247,22 @@ void reset_stack_state(const StackState& state, const OptionalTensor& slots, con
   TORCH_CHECK_VALUE(is_present(state.memory_keys), kWho, ": an encoder's state has no memory to reset");
   const Tensor index = slot_index(slots, state.lengths);
   const Tensor& keys = *state.memory_keys;
-  const int64_t S = keys.size(3), fresh = new_keys->size(3);
-  TORCH_CHECK_VALUE(new_keys->size(1) == index.size(0), kWho, ": reset got memory for ", new_keys->size(1),
-                    " sequences, but slots name ", index.size(0));
+  const int64_t S = keys.size(3), fresh = new_keys->dim() == 5 ? new_keys->size(3) : -1;
+  // (layers, k, H, S', D) each, from decoder_memory for the k slots named
+  const auto fits = [&](const OptionalTensor& t) {
+    return is_present(t) && t->dim() == 5 && t->size(0) == keys.size(0) && t->size(1) == index.size(0) &&
+        t->size(2) == keys.size(2) && t->size(3) == fresh && t->size(4) == keys.size(4) &&
+        t->scalar_type() == keys.scalar_type();
+  };
+  TORCH_CHECK_VALUE(fits(new_keys) && fits(new_values), kWho, ": reset expected the new memory's keys and values ",
+                    "of shape (", keys.size(0), ", ", index.size(0), " slots named, ", keys.size(2), ", S', ",
+                    keys.size(4), ") in ", keys.scalar_type(), ", but got ", new_keys->sizes(), " and ",
+                    is_present(new_values) ? new_values->sizes() : c10::IntArrayRef{});
   TORCH_CHECK_VALUE(fresh <= S, kWho, ": reset got a memory of ", fresh, " positions, but the state holds ", S,
                     " (new_state's memory); make a new state for a longer memory");
+  TORCH_CHECK_VALUE(!is_present(new_padding) || new_padding->sizes() == at::IntArrayRef({index.size(0), fresh}),
+                    kWho, ": reset expected the new memory's padding of shape (", index.size(0), ", ", fresh,
+                    "), but got ", new_padding->sizes());
   for (const auto& [t, value] : {std::pair{keys, *new_keys}, std::pair{*state.memory_values, *new_values}}) {
     t.narrow(3, 0, fresh).index_copy_(1, index, value);
     t.narrow(3, fresh, S - fresh).index_fill_(1, index, 0);

@@ -73,21 +73,16 @@ void write_rows(const Tensor& cache, const Tensor& fresh, const Tensor& lengths,
   cache.scatter_(2, index, value);
 }
 
-// The longest prefix any sequence has after the step, where reading it costs nothing: lengths on
-// the CPU, outside tracing (fake and functional tensors carry the Python or Functionalize key).
-// Elsewhere nullopt, and the step attends over the whole capacity with a mask: a static shape on
-// purpose, so that a compiled step is one graph for every length (and no device sync).
-std::optional<int64_t> filled_after_step(const Tensor& lengths, const Tensor& added) {
+}  // namespace
+
+std::optional<int64_t> filled_length(const Tensor& lengths) {
   const auto traced = c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
                                            c10::DispatchKey::PythonTLSSnapshot});
-  if (!lengths.device().is_cpu() || lengths.is_meta() || (lengths.key_set() & traced).empty() == false ||
-      (added.key_set() & traced).empty() == false) {
+  if (!lengths.device().is_cpu() || lengths.is_meta() || !(lengths.key_set() & traced).empty()) {
     return std::nullopt;
   }
-  return std::max<int64_t>(1, (lengths + added).max().item<int64_t>());
+  return lengths.numel() == 0 ? 0 : lengths.max().item<int64_t>();
 }
-
-}  // namespace
 
 Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                                   const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
@@ -106,9 +101,9 @@ Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Te
   write_rows(k_cache, k_new, lengths, added);
   write_rows(v_cache, v_new, lengths, added);
 
-  // Eager on the CPU: only the filled prefix is read (filled_after_step).
-  const auto filled = filled_after_step(lengths, added);
-  const int64_t keys = filled.value_or(M);
+  // Eager on the CPU: only the filled prefix is read (filled_length).
+  const auto filled = filled_length(lengths + added);
+  const int64_t keys = filled.has_value() ? std::max<int64_t>(1, *filled) : M;
   const Tensor steps = at::arange(T, lengths.options());
   const Tensor row_is_new = steps.unsqueeze(0) < added.unsqueeze(1);  // (N, T)
   // Rows past new_lengths see key 0 only (their result is replaced by zeros), so none is all masked.

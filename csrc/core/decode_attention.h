@@ -17,7 +17,15 @@
 
 #include "common.h"
 
+#include <optional>
+
 namespace torchmha::core {
+
+/// The longest filled prefix, max(lengths), where reading it costs nothing: lengths on the CPU,
+/// outside tracing (fake and functional tensors carry the Python or Functionalize key). Elsewhere
+/// nullopt, and callers work on the whole capacity: a static shape on purpose, so that a compiled
+/// step is one graph for every length, with no device sync.
+std::optional<int64_t> filled_length(const Tensor& lengths);
 
 /// Through the dispatcher (the op torchmha::decode_attention).
 Tensor decode_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,

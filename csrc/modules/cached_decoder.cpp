@@ -88,15 +88,14 @@ void check_attention(const MultiheadAttentionImpl& attention, size_t layer, cons
                    "in-projection, no bias_k/bias_v, no add_zero_attn)");
 }
 
+// (The activation is checked where it is read, in stack_config, also at construction.)
 void check_layer(const TransformerDecoderLayerImpl& layer, size_t i) {
   check_attention(*layer.self_attn, i, "self_attn");
   check_attention(*layer.multihead_attn, i, "multihead_attn");
-  activation_name(layer.options.activation());
 }
 
 void check_layer(const TransformerEncoderLayerImpl& layer, size_t i) {
   check_attention(*layer.self_attn, i, "self_attn");
-  activation_name(layer.options.activation());
 }
 
 // ------------------------------------------------------------------------ parameter list
@@ -143,7 +142,7 @@ void push_layer(Params& params, const TransformerEncoderLayerImpl& layer) {
 
 // ---------------------------------------------------------------------- configuration
 
-// decoder_step's per-layer configuration, read from the modules on every step as the parameters.
+// decoder_step's per-layer configuration, read from the modules once, at construction.
 struct StackConfig {
   std::vector<std::string> activations;
   c10::List<bool> norm_first;
@@ -213,6 +212,11 @@ void CachedDecoder::check_stack() {
   const auto& attention = first_attention(layers(), is_decoder());
   num_heads_ = attention.options.num_heads();
   head_dim_ = attention.head_dim;
+  auto config = stack_config(layers(), is_decoder(), final_norm());
+  activations_ = std::move(config.activations);
+  norm_first_ = std::move(config.norm_first);
+  eps_ = std::move(config.eps);
+  final_norm_eps_ = config.final_norm_eps;
 }
 
 c10::List<std::optional<at::Tensor>> CachedDecoder::parameter_list() const {
@@ -257,12 +261,11 @@ DecoderState CachedDecoder::new_state(int64_t batch_size, int64_t max_length, co
 }
 
 Tensor CachedDecoder::forward(const Tensor& tgt, DecoderState& state, const Tensor& new_lengths) const {
-  const StackConfig config = stack_config(layers(), is_decoder(), final_norm());
   const bool training = is_decoder() ? decoder_->is_training() : encoder_->is_training();
   return decoder_step(tgt, parameter_list(), state.keys_, state.values_, state.lengths_,
                       optional_if_defined(state.memory_keys_), optional_if_defined(state.memory_values_),
-                      optional_if_defined(state.memory_padding_), num_heads_, config.activations, config.norm_first,
-                      config.eps, config.final_norm_eps, /*batch_first=*/false, training,
+                      optional_if_defined(state.memory_padding_), num_heads_, activations_, norm_first_, eps_,
+                      final_norm_eps_, /*batch_first=*/false, training,
                       optional_if_defined(new_lengths));
 }
 

@@ -198,6 +198,33 @@ def test_reorder_follows_caches_memory_and_mask(kind):
     g.check()
 
 
+def test_reorder_moves_only_the_filled_prefix():
+    """Its cost follows what is filled, not max_length: positions past the longest sequence are
+    not copied (they hold nothing any sequence reads)."""
+    g = Generation(make_model("decoder"), N=3, max_length=10, dtype=torch.float64)
+    g.step([3, 2, 1])
+    g.state.keys[:, :, :, 3:] = torch.arange(3, dtype=torch.float64).view(1, 3, 1, 1, 1)  # row n's unfilled part: n
+    g.state.reorder(torch.tensor([2, 0, 0]))
+    assert (g.state.keys[:, :, :, 3:] == torch.arange(3, dtype=torch.float64).view(1, 3, 1, 1, 1)).all()
+
+
+def test_reset_rejects_a_memory_that_does_not_fit_the_state():
+    """The op itself (the shells pass decoder_memory's output): the new memory's shape against
+    the state and the slots, named in the error."""
+    g = Generation(make_model("decoder"), N=2, max_length=4, dtype=torch.float64)
+    keys, values, padding = g.dec._project_memory(torch.randn(S, 1, E, dtype=torch.float64), None)
+    state = g.state
+    reset = torch.ops.torchmha.decoder_reset
+    with pytest.raises(ValueError, match=r"reset expected the new memory's keys and values of shape \(2, 2 slots"):
+        reset(state.lengths, state.memory_keys, state.memory_values, state.memory_padding, None, keys, values, padding)
+    with pytest.raises(ValueError, match="reset expected the new memory's keys and values"):
+        reset(state.lengths, state.memory_keys, state.memory_values, state.memory_padding, torch.tensor([0]), keys,
+              None, padding)
+    with pytest.raises(ValueError, match=r"reset expected the new memory's padding of shape \(1, 5\)"):
+        reset(state.lengths, state.memory_keys, state.memory_values, state.memory_padding, torch.tensor([0]), keys,
+              values, padding[:, :2])
+
+
 @pytest.mark.parametrize("slots", [1, [1], torch.tensor([1]), torch.tensor([False, True, False]), (1,)])
 def test_reset_with_a_new_shorter_memory(slots):
     model = make_model("decoder")

@@ -176,6 +176,18 @@ def test_composition_reads_only_the_filled_prefix():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
 
+def test_reorder_moves_only_the_filled_prefix():
+    """Beam search copies the filled positions only (its cost follows what is filled, not the
+    capacity); the rest holds nothing a sequence reads and stays as it was."""
+    cache = torchmha.KeyValueCache(3, 2, 8, 4)
+    cache.lengths.copy_(torch.tensor([3, 1, 2]))
+    cache.keys.copy_(torch.arange(3.0).view(3, 1, 1, 1).expand(3, 2, 8, 4))
+    cache.reorder(torch.tensor([2, 2, 0]))
+    assert cache.keys[:, :, :3, 0].tolist() == [[[2.0] * 3] * 2, [[2.0] * 3] * 2, [[0.0] * 3] * 2]
+    assert (cache.keys[:, :, 3:] == torch.arange(3.0).view(3, 1, 1, 1)).all()
+    assert cache.lengths.tolist() == [2, 2, 3]
+
+
 def test_new_lengths_and_lengths_are_checked():
     _, ours = mha_pair(E, H)
     cache = torchmha.KeyValueCache.for_module(ours, N, 4)

@@ -14,8 +14,10 @@
 #include <torch/nn/modules/transformercoder.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 namespace torchmha {
 
@@ -81,6 +83,12 @@ class TORCHMHA_API CachedDecoder {
   torch::nn::TransformerDecoder decoder_{nullptr};
   torch::nn::TransformerEncoder encoder_{nullptr};
   int64_t num_heads_ = 0, head_dim_ = 0;
+  // The layers' structure for decoder_step, read once at construction (the parameters are read
+  // on every step): per layer the activation's name, norm_first and 3 norm eps; the final norm's.
+  std::vector<std::string> activations_;
+  c10::List<bool> norm_first_;
+  std::vector<double> eps_;
+  std::optional<double> final_norm_eps_;
 };
 
 /// What a generation holds between steps, from CachedDecoder::new_state: keys() and values()
