@@ -4,10 +4,14 @@
 // (functional.h). The kernels are CompositeImplicitAutograd: written in differentiable ATen ops,
 // they get autograd, fake/meta tensors and torch.compile for free.
 //
-// The module parameters come in torch.nn.MultiheadAttention's form in every attention op:
-// in_proj_weight or q/k/v_proj_weight, in_proj_bias, bias_k, bias_v, add_zero_attn, out_proj.
+// The attention ops take the argument structs of attention_arguments.h (a module's parameters in
+// torch.nn.MultiheadAttention's form, a call's masks and flags): their schemas are written from
+// the structs' for_each_field and their boxed kernels below read the structs back, so a new
+// argument is named once in C++ (op_arguments.h).
 
 #include <torchmha/functional.h>
+
+#include "op_arguments.h"
 
 #include "core/blocked_attention.h"
 #include "core/decode_attention.h"
@@ -16,59 +20,153 @@
 
 #include <torch/library.h>
 
+namespace torchmha::ops {
+namespace {
+
+using at::Tensor;
+using c10::OperatorHandle;
+using torch::jit::Stack;
+
+// The boxed kernels of the ops that take argument structs: leading tensors, the structs, the rest.
+void multi_head_attention_forward_boxed(const OperatorHandle& op, Stack* stack) {
+  StackArguments in(op, stack);
+  auto query = in.next<Tensor>(), key = in.next<Tensor>(), value = in.next<Tensor>();
+  const auto embed_dim = in.next<int64_t>();
+  const auto params = in.next_struct<AttentionParameters>();
+  auto [output, weights] = multi_head_attention_forward(query, key, value, embed_dim, params,
+                                                        in.next_struct<AttentionOptions>());
+  in.finish(std::move(output), std::move(weights));
+}
+
+void attention_with_cache_boxed(const OperatorHandle& op, Stack* stack) {
+  StackArguments in(op, stack);
+  auto query = in.next<Tensor>(), k_cache = in.next<Tensor>(), v_cache = in.next<Tensor>();
+  auto lengths = in.next<Tensor>();
+  const auto params = in.next_struct<AttentionParameters>();
+  const auto options = in.next_struct<DecodingOptions>();
+  in.finish(attention_with_cache(query, k_cache, v_cache, lengths, params, options,
+                                 in.next<std::optional<Tensor>>()));
+}
+
+void attention_with_static_key_value_boxed(const OperatorHandle& op, Stack* stack) {
+  StackArguments in(op, stack);
+  auto query = in.next<Tensor>(), keys = in.next<Tensor>(), values = in.next<Tensor>();
+  const auto params = in.next_struct<AttentionParameters>();
+  in.finish(attention_with_static_key_value(query, keys, values, params, in.next_struct<DecodingOptions>()));
+}
+
+void project_key_value_boxed(const OperatorHandle& op, Stack* stack) {
+  StackArguments in(op, stack);
+  auto key = in.next<Tensor>();
+  auto value = in.next<std::optional<Tensor>>();
+  const auto params = in.next_struct<AttentionParameters>();
+  auto [keys, values] = project_key_value(key, value, params, in.next<bool>());
+  in.finish(std::move(keys), std::move(values));
+}
+
+void cross_attention_boxed(const OperatorHandle& op, Stack* stack) {
+  StackArguments in(op, stack);
+  auto x = in.next<Tensor>(), keys = in.next<Tensor>(), values = in.next<Tensor>();
+  const auto params = in.next_struct<AttentionParameters>();
+  auto mask = in.next<std::optional<Tensor>>();
+  in.finish(cross_attention(x, keys, values, params, mask, in.next<bool>()));
+}
+
+void transformer_block_boxed(const OperatorHandle& op, Stack* stack) {
+  StackArguments in(op, stack);
+  auto x = in.next<Tensor>();
+  const auto feed_forward = in.next_struct<FeedForwardParameters>();
+  const auto attention = in.next_struct<AttentionParameters>();
+  in.finish(transformer_block(x, feed_forward, attention, in.next_struct<AttentionOptions>()));
+}
+
+void decoder_step_boxed(const OperatorHandle& op, Stack* stack) {
+  StackArguments in(op, stack);
+  auto tgt = in.next<Tensor>();
+  auto params = in.next<c10::List<std::optional<Tensor>>>();
+  const auto cache = in.next_struct<DecoderCache>();
+  const auto num_heads = in.next<int64_t>();
+  const auto activations = in.next<std::vector<std::string>>();
+  const auto norm_first = in.next<c10::List<bool>>();
+  const auto eps = in.next<std::vector<double>>();
+  const auto final_norm_eps = in.next<std::optional<double>>();
+  const auto batch_first = in.next<bool>(), training = in.next<bool>();
+  in.finish(decoder_step(tgt, params, cache, num_heads, activations, norm_first, eps, final_norm_eps, batch_first,
+                         training, in.next<std::optional<Tensor>>()));
+}
+
+void decoder_reorder_boxed(const OperatorHandle& op, Stack* stack) {
+  StackArguments in(op, stack);
+  const auto cache = in.next_struct<DecoderCache>();
+  decoder_reorder(cache, in.next<Tensor>());
+  in.finish();
+}
+
+void decoder_reset_boxed(const OperatorHandle& op, Stack* stack) {
+  StackArguments in(op, stack);
+  const auto cache = in.next_struct<DecoderCache>();
+  auto slots = in.next<std::optional<Tensor>>(), new_keys = in.next<std::optional<Tensor>>();
+  auto new_values = in.next<std::optional<Tensor>>(), new_padding = in.next<std::optional<Tensor>>();
+  decoder_reset(cache, slots, new_keys, new_values, new_padding);
+  in.finish();
+}
+
+// Defines op `name(arguments) -> returns` with a boxed kernel (a CompositeImplicitAutograd one, as
+// TORCH_FN's in m.def).
+template <void (*kernel)(const OperatorHandle&, Stack*)>
+void define(torch::Library& m, const char* name, const std::string& arguments, const char* returns) {
+  m.def(torch::schema((std::string(name) + "(" + arguments + ") -> " + returns).c_str()));
+  m.impl(name, torch::CppFunction::makeFromBoxedFunction<kernel>());
+}
+
+}  // namespace
+}  // namespace torchmha::ops
+
 TORCH_LIBRARY(torchmha, m) {
+  using namespace torchmha;
+  using ops::declarations;
   m.def(
       "in_projection_packed(Tensor q, Tensor k, Tensor v, Tensor w, Tensor? b=None) -> Tensor[]",
-      TORCH_FN(torchmha::in_projection_packed));
+      TORCH_FN(in_projection_packed));
   m.def(
       "in_projection(Tensor q, Tensor k, Tensor v, Tensor w_q, Tensor w_k, Tensor w_v, "
       "Tensor? b_q=None, Tensor? b_k=None, Tensor? b_v=None) -> Tensor[]",
-      TORCH_FN(torchmha::in_projection));
-  m.def(
-      "multi_head_attention_forward(Tensor query, Tensor key, Tensor value, int embed_dim, "
-      "int num_heads, Tensor? in_proj_weight, Tensor? in_proj_bias, Tensor? bias_k, Tensor? bias_v, "
-      "bool add_zero_attn, float dropout_p, Tensor out_proj_weight, Tensor? out_proj_bias, "
-      "bool training=True, Tensor? key_padding_mask=None, bool need_weights=True, "
-      "Tensor? attn_mask=None, Tensor? q_proj_weight=None, Tensor? k_proj_weight=None, "
-      "Tensor? v_proj_weight=None, bool average_attn_weights=True, bool is_causal=False, "
-      "bool batch_first=False, bool allow_fast_path=False, Tensor? q_proj_bias=None, "
-      "Tensor? k_proj_bias=None, Tensor? v_proj_bias=None, Tensor? static_k=None, Tensor? static_v=None) "
-      "-> (Tensor, Tensor)",
-      TORCH_FN(torchmha::multi_head_attention_forward));
+      TORCH_FN(in_projection));
+  ops::define<ops::multi_head_attention_forward_boxed>(
+      m, "multi_head_attention_forward",
+      "Tensor query, Tensor key, Tensor value, int embed_dim" + declarations<AttentionParameters>() +
+          declarations<AttentionOptions>(),
+      "(Tensor, Tensor)");
   // Decoding. attention_with_cache writes the step's keys and values into the caches in place,
   // which the schema declares (a!)/(b!).
-  m.def(
-      "attention_with_cache(Tensor query, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) lengths, "
-      "int num_heads, Tensor? in_proj_weight, Tensor? in_proj_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
-      "Tensor? key_padding_mask=None, float dropout_p=0., bool training=False, bool batch_first=False, "
-      "Tensor? q_proj_weight=None, Tensor? k_proj_weight=None, Tensor? v_proj_weight=None, "
-      "Tensor? bias_k=None, Tensor? bias_v=None, bool add_zero_attn=False, Tensor? new_lengths=None) -> Tensor",
-      TORCH_FN(torchmha::attention_with_cache));
+  ops::define<ops::attention_with_cache_boxed>(
+      m, "attention_with_cache",
+      "Tensor query, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) lengths" + declarations<AttentionParameters>() +
+          declarations<DecodingOptions>() + ", Tensor? new_lengths=None",
+      "Tensor");
   m.def(
       "reorder_cache(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) lengths, Tensor indices) -> ()",
-      TORCH_FN(torchmha::reorder_cache));
-  m.def("reset_cache(Tensor(a!) lengths, Tensor? slots=None) -> ()", TORCH_FN(torchmha::reset_cache));
+      TORCH_FN(reorder_cache));
+  m.def("reset_cache(Tensor(a!) lengths, Tensor? slots=None) -> ()", TORCH_FN(reset_cache));
   // Cached generation through a stack of torch's Transformer layers (functional.h: the parameter
   // list's order). The step writes the caches and advances lengths in place.
-  m.def(
-      "decoder_step(Tensor tgt, Tensor?[] params, Tensor(a!) keys, Tensor(b!) values, Tensor(c!) lengths, "
-      "Tensor? memory_keys, Tensor? memory_values, Tensor? memory_padding, int num_heads, str[] activations, "
-      "bool[] norm_first, float[] eps, float? final_norm_eps, bool batch_first, bool training, "
-      "Tensor? new_lengths=None) -> Tensor",
-      TORCH_FN(torchmha::decoder_step));
+  ops::define<ops::decoder_step_boxed>(
+      m, "decoder_step",
+      "Tensor tgt, Tensor?[] params" + declarations<DecoderCache>() +
+          ", int num_heads, str[] activations, bool[] norm_first, float[] eps, float? final_norm_eps, "
+          "bool batch_first, bool training, Tensor? new_lengths=None",
+      "Tensor");
   m.def(
       "decoder_memory(Tensor memory, Tensor?[] params, int num_heads, bool batch_first, "
       "Tensor? memory_key_padding_mask=None) -> (Tensor, Tensor, Tensor)",
-      TORCH_FN(torchmha::decoder_memory));
-  m.def(
-      "decoder_reorder(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) lengths, Tensor(d!)? memory_keys, "
-      "Tensor(e!)? memory_values, Tensor(f!)? memory_padding, Tensor indices) -> ()",
-      TORCH_FN(torchmha::decoder_reorder));
-  m.def(
-      "decoder_reset(Tensor(a!) lengths, Tensor(b!)? memory_keys, Tensor(c!)? memory_values, "
-      "Tensor(d!)? memory_padding, Tensor? slots=None, Tensor? new_keys=None, Tensor? new_values=None, "
-      "Tensor? new_padding=None) -> ()",
-      TORCH_FN(torchmha::decoder_reset));
+      TORCH_FN(decoder_memory));
+  ops::define<ops::decoder_reorder_boxed>(m, "decoder_reorder", declarations<DecoderCache>().substr(2) + ", Tensor indices",
+                                          "()");
+  ops::define<ops::decoder_reset_boxed>(
+      m, "decoder_reset",
+      declarations<DecoderCache>().substr(2) +
+          ", Tensor? slots=None, Tensor? new_keys=None, Tensor? new_values=None, Tensor? new_padding=None",
+      "()");
   // The step's attention inside attention_with_cache: a kernel per device (decode_attention.h).
   m.def(
       "decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -83,29 +181,24 @@ TORCH_LIBRARY(torchmha, m) {
   m.def(
       "blocked_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, "
       "Tensor out, Tensor lse) -> (Tensor, Tensor, Tensor)");
-  m.def(
-      "project_key_value(Tensor key, Tensor? value, int num_heads, Tensor? in_proj_weight, Tensor? in_proj_bias, "
-      "Tensor? k_proj_weight=None, Tensor? v_proj_weight=None, bool batch_first=False, Tensor? bias_k=None, "
-      "Tensor? bias_v=None, bool add_zero_attn=False) -> (Tensor, Tensor)",
-      TORCH_FN(torchmha::project_key_value));
-  m.def(
-      "attention_with_static_key_value(Tensor query, Tensor keys, Tensor values, int num_heads, "
-      "Tensor? in_proj_weight, Tensor? in_proj_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
-      "Tensor? key_padding_mask=None, float dropout_p=0., bool training=False, bool batch_first=False, "
-      "Tensor? q_proj_weight=None, Tensor? bias_k=None, Tensor? bias_v=None, bool add_zero_attn=False) -> Tensor",
-      TORCH_FN(torchmha::attention_with_static_key_value));
+  ops::define<ops::project_key_value_boxed>(
+      m, "project_key_value", "Tensor key, Tensor? value" + declarations<AttentionParameters>() + ", bool batch_first=False",
+      "(Tensor, Tensor)");
+  ops::define<ops::attention_with_static_key_value_boxed>(
+      m, "attention_with_static_key_value",
+      "Tensor query, Tensor keys, Tensor values" + declarations<AttentionParameters>() + declarations<DecodingOptions>(),
+      "Tensor");
   // The article's layers (cross_attention.h, transformer_block.h).
-  m.def(
-      "cross_attention(Tensor x, Tensor keys, Tensor values, int heads, Tensor to_q_weight, Tensor to_out_weight, "
-      "Tensor? to_out_bias, Tensor? mask=None, bool training=False) -> Tensor",
-      TORCH_FN(torchmha::cross_attention));
-  m.def(
-      "transformer_block(Tensor x, int num_heads, Tensor in_proj_weight, Tensor? in_proj_bias, "
-      "Tensor out_proj_weight, Tensor? out_proj_bias, Tensor linear1_weight, Tensor? linear1_bias, "
-      "Tensor linear2_weight, Tensor? linear2_bias, Tensor norm1_weight, Tensor norm1_bias, Tensor norm2_weight, "
-      "Tensor norm2_bias, float layer_norm_eps, float attention_dropout, float dropout, bool norm_first, "
-      "bool training, Tensor? attn_mask=None, Tensor? key_padding_mask=None, bool allow_fast_path=False) -> Tensor",
-      TORCH_FN(torchmha::transformer_block));
+  ops::define<ops::cross_attention_boxed>(
+      m, "cross_attention",
+      "Tensor x, Tensor keys, Tensor values" + declarations<AttentionParameters>() +
+          ", Tensor? mask=None, bool training=False",
+      "Tensor");
+  ops::define<ops::transformer_block_boxed>(
+      m, "transformer_block",
+      "Tensor x" + declarations<FeedForwardParameters>() + declarations<AttentionParameters>() +
+          declarations<AttentionOptions>(),
+      "Tensor");
 }
 
 // decode_attention, small_linear, attention_with_weights and blocked_attention: torchmha's own CPU kernels; the ATen composition

@@ -1,17 +1,20 @@
 #pragma once
 
-// What every attention op receives, grouped once: the module's parameters (AttentionWeights) and
-// one forward call's inputs and flags (ForwardCall). The ops in register_ops.cpp take them as
-// flat schema arguments and build these.
+// What every attention op receives, in the core's form: the module's parameters grouped by step
+// (AttentionWeights, built from the public AttentionParameters by attention_weights) and one
+// forward call's inputs with its AttentionOptions (ForwardCall).
 
 #include "common.h"
 #include "in_projection.h"
+
+#include <torchmha/attention_arguments.h>
 
 namespace torchmha::core {
 
 /// A module's parameters, in torch.nn.MultiheadAttention's form.
 struct AttentionWeights {
   int64_t num_heads = 1;
+  std::optional<int64_t> head_dim;  // absent: embed_dim / num_heads
   InProjection in_proj;
   OptionalTensor bias_k, bias_v;  // (1, 1, E): one more key/value position each
   bool add_zero_attn = false;     // one more all-zero key/value position
@@ -21,19 +24,17 @@ struct AttentionWeights {
   bool has_extra_key_positions() const { return is_present(bias_k) || is_present(bias_v) || add_zero_attn; }
 };
 
-/// One call of forward: inputs, masks and flags.
-struct ForwardCall {
+/// One call of forward: inputs, and the masks and flags of AttentionOptions.
+struct ForwardCall : AttentionOptions {
   Tensor query, key, value;
-  OptionalTensor key_padding_mask, attn_mask;
-  OptionalTensor static_k, static_v;  // (N*H, S, D): keys/values used instead of the projected ones
-  bool need_weights = true;
-  bool average_attn_weights = true;
-  bool is_causal = false;
-  bool training = true;
-  bool batch_first = false;
-  double dropout_p = 0.0;
 
-  double effective_dropout() const { return training ? dropout_p : 0.0; }
+  ForwardCall(Tensor query_, Tensor key_, Tensor value_, AttentionOptions options)
+      : AttentionOptions(std::move(options)), query(std::move(query_)), key(std::move(key_)), value(std::move(value_)) {}
 };
+
+/// The core's form of a module's parameters. With the packed weight, separate weights are ignored,
+/// as torch ignores them. `out_proj_required`: the op projects its output (all but
+/// project_key_value), so a missing out_proj_weight is an error naming it.
+AttentionWeights attention_weights(const AttentionParameters& params, bool out_proj_required = true);
 
 }  // namespace torchmha::core

@@ -19,6 +19,8 @@ int64_t checked_head_dim(const AttentionWeights& w) {
   const int64_t inner = w.in_proj.inner();
   check_positive_sizes(inner, w.num_heads);
   check_divisible(inner, w.num_heads);
+  TORCHMHA_CHECK_ARG(!w.head_dim || *w.head_dim * w.num_heads == inner, "head_dim ", w.head_dim.value_or(0),
+                     " times num_heads ", w.num_heads, " is not the in-projection's width ", inner);
   return inner / w.num_heads;
 }
 

@@ -14,14 +14,7 @@
 namespace torchmha::core {
 
 /// Options of a decoding call (the module's dropout and mode, and the query's layout).
-struct DecodingCall {
-  OptionalTensor key_padding_mask;
-  double dropout_p = 0.0;
-  bool training = false;
-  bool batch_first = false;
-
-  double effective_dropout() const { return training ? dropout_p : 0.0; }
-};
+using DecodingCall = DecodingOptions;  // (attention_arguments.h)
 
 /// One step of causal self-attention, each sequence at its own position (functional.h's
 /// attention_with_cache): sequence n's first new_lengths[n] new positions (all T if absent) are

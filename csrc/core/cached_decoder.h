@@ -70,10 +70,7 @@ Stack stack_from_slots(at::ArrayRef<OptionalTensor> params, int64_t num_heads, a
 /// What a generation holds between steps. keys, values: (layers, N, H, M, D) self-attention
 /// caches; lengths (N,) int64; a decoder's memory keys and values (layers, N, H, S, D) and its
 /// padding (N, S), additive in the model's dtype.
-struct StackState {
-  Tensor keys, values, lengths;
-  OptionalTensor memory_keys, memory_values, memory_padding;
-};
+using StackState = DecoderCache;  // (attention_arguments.h)
 
 /// One step: tgt (T, N, E) (batch_first: (N, T, E)) holds up to T new positions per sequence;
 /// sequence n appends its first new_lengths[n] (all T if absent) and gets the stack's output at

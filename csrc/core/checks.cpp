@@ -142,8 +142,14 @@ Geometry validate_forward(const ForwardCall& call, const AttentionWeights& weigh
   TORCHMHA_CHECK_ARG(
       call.query.size(-1) == embed_dim, "was expecting embedding dimension of ", embed_dim, ", but got ",
       call.query.size(-1), "\n(query of shape ", call.query.sizes(), ")");
-  TORCHMHA_CHECK_ARG(embed_dim % num_heads == 0, "embed_dim ", embed_dim, " not divisible by num_heads ", num_heads);
-  g.head_dim = embed_dim / num_heads;
+  if (weights.head_dim) {  // the in-projection's own width (head parallelism)
+    TORCHMHA_CHECK_ARG(*weights.head_dim > 0, "head_dim must be greater than 0, but got ", *weights.head_dim);
+    g.head_dim = *weights.head_dim;
+  } else {
+    TORCHMHA_CHECK_ARG(embed_dim % num_heads == 0, "embed_dim ", embed_dim, " not divisible by num_heads ",
+                       num_heads);
+    g.head_dim = embed_dim / num_heads;
+  }
   const bool separate = !weights.in_proj.packed();
   if (separate) {
     const char* names[3] = {"q_proj_weight", "k_proj_weight", "v_proj_weight"};

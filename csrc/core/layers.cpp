@@ -29,14 +29,13 @@ Tensor cross_attention(const Tensor& x, const Tensor& keys, const Tensor& values
   return attention_with_static_key_value(x, keys, values, weights, call);
 }
 
-Tensor transformer_block(const ForwardCall& call, const AttentionWeights& attention, const FeedForwardWeights& ff,
-                         bool norm_first, bool allow_fast_path) {
+Tensor transformer_block(const ForwardCall& call, const AttentionWeights& attention, const FeedForwardWeights& ff) {
   const double p = call.training ? ff.dropout_p : 0.0;
   const int64_t embed_dim = call.query.size(-1);
   auto attend = [&](const Tensor& y) {
     ForwardCall self = call;
     self.query = self.key = self.value = y;
-    return at::dropout(std::get<0>(multi_head_attention(self, attention, embed_dim, allow_fast_path)), p, call.training);
+    return at::dropout(std::get<0>(multi_head_attention(self, attention, embed_dim)), p, call.training);
   };
   auto feed_forward = [&](const Tensor& y) {
     auto hidden = at::dropout(at::relu(at::linear(y, ff.linear1_weight, ff.linear1_bias)), p, call.training);
@@ -49,7 +48,7 @@ Tensor transformer_block(const ForwardCall& call, const AttentionWeights& attent
     return at::layer_norm(y, {embed_dim}, ff.norm2_weight, ff.norm2_bias, ff.layer_norm_eps);
   };
   const Tensor& x = call.query;
-  if (norm_first) {
+  if (ff.norm_first) {
     auto h = x + attend(norm1(x));
     return h + feed_forward(norm2(h));
   }

@@ -15,21 +15,11 @@ namespace torchmha::core {
 Tensor cross_attention(const Tensor& x, const Tensor& keys, const Tensor& values, const AttentionWeights& weights,
                        const OptionalTensor& mask, bool training);
 
-/// The feed-forward network Linear - ReLU - Linear and the two LayerNorms of a Transformer block.
-struct FeedForwardWeights {
-  Tensor linear1_weight;
-  OptionalTensor linear1_bias;
-  Tensor linear2_weight;
-  OptionalTensor linear2_bias;
-  Tensor norm1_weight, norm1_bias, norm2_weight, norm2_bias;
-  double layer_norm_eps = 1e-5;
-  double dropout_p = 0.0;  // on each sublayer's output and the hidden layer (training only)
-};
+using FeedForwardWeights = FeedForwardParameters;  // (attention_arguments.h)
 
-/// torch.nn.TransformerEncoderLayer's computation (relu, batch first), post-norm or norm_first;
+/// torch.nn.TransformerEncoderLayer's computation (relu, batch first), post-norm or ff.norm_first;
 /// call.query is x and call.dropout_p the self-attention's dropout (on its weights).
-Tensor transformer_block(const ForwardCall& call, const AttentionWeights& attention, const FeedForwardWeights& ff,
-                         bool norm_first, bool allow_fast_path);
+Tensor transformer_block(const ForwardCall& call, const AttentionWeights& attention, const FeedForwardWeights& ff);
 
 /// Sizes checked by the modules' constructors, C++ and Python (exported for torchmha._C).
 TORCHMHA_API void check_cross_attention_sizes(int64_t query_dim, int64_t context_dim, int64_t heads,

@@ -44,17 +44,18 @@ OptionalTensor autocast_mask(const OptionalTensor& mask, at::ScalarType dtype) {
 std::tuple<Tensor, Tensor> multi_head_attention(
     const ForwardCall& call,
     const AttentionWeights& weights,
-    int64_t embed_dim,
-    bool allow_fast_path) {
+    int64_t embed_dim) {
   // torch's module forward: the masks' kinds (its _canonical_mask), its fused path, then the
   // functional forward's checks.
   check_mask_kind(call.key_padding_mask, "key_padding_mask");
   check_mask_kind(call.attn_mask, "attn_mask");
 
   // fused fast path
-  const std::string why_not_fused = why_not_fast_path(call, weights, allow_fast_path);
-  // (torch names no reason for a missing in_proj_bias, but does not fuse without it either)
-  const bool torch_fuses = why_not_fused.empty() && is_present(weights.in_proj.packed_bias);
+  const std::string why_not_fused = why_not_fast_path(call, weights, call.allow_fast_path);
+  // (torch names no reason for a missing in_proj_bias, but does not fuse without it either; nor
+  // does it know of a head size of the caller's)
+  const bool torch_fuses =
+      why_not_fused.empty() && is_present(weights.in_proj.packed_bias) && !weights.head_dim.has_value();
   if (torch_fuses && !sdpa_beats_fast_path(call) && !weights_kernel_beats_fast_path(call, embed_dim, weights.num_heads)) {
     return fused_forward(call, weights, embed_dim);
   }
@@ -78,7 +79,7 @@ std::tuple<Tensor, Tensor> multi_head_attention(
   const Tensor query = batched(call.query, g.batched, batch_first);
   const Tensor key = batched(call.key, g.batched, batch_first);
   const Tensor value = batched(call.value, g.batched, batch_first);
-  check_in_projection(weights.in_proj, embed_dim, embed_dim, key.size(-1), value.size(-1));
+  check_in_projection(weights.in_proj, weights.num_heads * g.head_dim, embed_dim, key.size(-1), value.size(-1));
   auto [q, k, v] = project_to_heads(query, key, value, weights.in_proj, sharing, weights.num_heads, batch_first);
 
   // Without a padding mask or weights, SDPA applies causality itself and the mask is never read

@@ -14,7 +14,6 @@ namespace torchmha::core {
 std::tuple<Tensor, Tensor> multi_head_attention(
     const ForwardCall& call,
     const AttentionWeights& weights,
-    int64_t embed_dim,
-    bool allow_fast_path);
+    int64_t embed_dim);
 
 }  // namespace torchmha::core

@@ -23,6 +23,18 @@ void register_separate_projections(Impl& self, int64_t embed_dim, int64_t kdim, 
   self.out_proj = self.register_module("out_proj", Linear(embed_dim, embed_dim));
 }
 
+// The versions' one call: no weights returned, the module's mode and dropout.
+template <typename Impl>
+Tensor versions_forward(const Impl& self, const Tensor& query, const Tensor& key, const Tensor& value,
+                        const AttentionParameters& params, double dropout, const Tensor& attn_mask) {
+  AttentionOptions call;
+  call.attn_mask = optional_if_defined(attn_mask);
+  call.need_weights = false;
+  call.training = self.is_training();
+  call.dropout_p = dropout;
+  return std::get<0>(multi_head_attention_forward(query, key, value, params.out_proj_weight->size(0), params, call));
+}
+
 // Attention through the separate q/k/v Linear layers and their own biases.
 template <typename Impl>
 Tensor separate_projection_attention(
@@ -33,13 +45,17 @@ Tensor separate_projection_attention(
     int64_t num_heads,
     double dropout,
     const Tensor& attn_mask) {
-  return std::get<0>(multi_head_attention_forward(
-      query, key, value, self.q_proj->options.out_features(), num_heads, /*in_proj_weight=*/std::nullopt,
-      /*in_proj_bias=*/std::nullopt, /*bias_k=*/std::nullopt, /*bias_v=*/std::nullopt, /*add_zero_attn=*/false,
-      dropout, self.out_proj->weight, self.out_proj->bias, self.is_training(), /*key_padding_mask=*/std::nullopt,
-      /*need_weights=*/false, optional_if_defined(attn_mask), self.q_proj->weight, self.k_proj->weight,
-      self.v_proj->weight, /*average_attn_weights=*/true, /*is_causal=*/false, /*batch_first=*/false,
-      /*allow_fast_path=*/false, self.q_proj->bias, self.k_proj->bias, self.v_proj->bias));
+  AttentionParameters params;
+  params.num_heads = num_heads;
+  params.q_proj_weight = self.q_proj->weight;
+  params.k_proj_weight = self.k_proj->weight;
+  params.v_proj_weight = self.v_proj->weight;
+  params.q_proj_bias = self.q_proj->bias;
+  params.k_proj_bias = self.k_proj->bias;
+  params.v_proj_bias = self.v_proj->bias;
+  params.out_proj_weight = self.out_proj->weight;
+  params.out_proj_bias = self.out_proj->bias;
+  return versions_forward(self, query, key, value, params, dropout, attn_mask);
 }
 
 }  // namespace
@@ -134,10 +150,13 @@ Tensor MultiheadAttentionV4Impl::forward(
     const Tensor& key,
     const Tensor& value,
     const Tensor& attn_mask) {
-  return std::get<0>(multi_head_attention_forward(
-      query, key, value, options.embed_dim(), options.num_heads(), in_proj->weight, in_proj->bias,
-      std::nullopt, std::nullopt, /*add_zero_attn=*/false, options.dropout(), out_proj->weight,
-      out_proj->bias, is_training(), std::nullopt, /*need_weights=*/false, optional_if_defined(attn_mask)));
+  AttentionParameters params;
+  params.num_heads = options.num_heads();
+  params.in_proj_weight = in_proj->weight;
+  params.in_proj_bias = in_proj->bias;
+  params.out_proj_weight = out_proj->weight;
+  params.out_proj_bias = out_proj->bias;
+  return versions_forward(*this, query, key, value, params, options.dropout(), attn_mask);
 }
 
 }  // namespace torchmha

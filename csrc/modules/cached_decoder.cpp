@@ -262,28 +262,25 @@ DecoderState CachedDecoder::new_state(int64_t batch_size, int64_t max_length, co
 
 Tensor CachedDecoder::forward(const Tensor& tgt, DecoderState& state, const Tensor& new_lengths) const {
   const bool training = is_decoder() ? decoder_->is_training() : encoder_->is_training();
-  return decoder_step(tgt, parameter_list(), state.keys_, state.values_, state.lengths_,
-                      optional_if_defined(state.memory_keys_), optional_if_defined(state.memory_values_),
-                      optional_if_defined(state.memory_padding_), num_heads_, activations_, norm_first_, eps_,
-                      final_norm_eps_, /*batch_first=*/false, training,
-                      optional_if_defined(new_lengths));
-}
+  return decoder_step(tgt, parameter_list(), state.cache(), num_heads_, activations_, norm_first_, eps_,
+                      final_norm_eps_, /*batch_first=*/false, training, optional_if_defined(new_lengths));}
 
 // --------------------------------------------------------------------------- DecoderState
 
-void DecoderState::reorder(const Tensor& indices) {
-  decoder_reorder(keys_, values_, lengths_, optional_if_defined(memory_keys_), optional_if_defined(memory_values_),
-                  optional_if_defined(memory_padding_), indices);
+DecoderCache DecoderState::cache() const {
+  return {keys_, values_, lengths_, optional_if_defined(memory_keys_), optional_if_defined(memory_values_),
+          optional_if_defined(memory_padding_)};
 }
+
+void DecoderState::reorder(const Tensor& indices) {
+  decoder_reorder(cache(), indices);}
 
 void DecoderState::reset(const Tensor& slots, const Tensor& memory, const Tensor& memory_key_padding_mask) {
   Tensor new_keys, new_values, new_padding;
   if (memory.defined() || memory_key_padding_mask.defined()) {
     std::tie(new_keys, new_values, new_padding) = decoder_.project_memory(memory, memory_key_padding_mask);
   }
-  decoder_reset(lengths_, optional_if_defined(memory_keys_), optional_if_defined(memory_values_),
-                optional_if_defined(memory_padding_), optional_if_defined(slots), optional_if_defined(new_keys),
-                optional_if_defined(new_values), optional_if_defined(new_padding));
-}
+  decoder_reset(cache(), optional_if_defined(slots), optional_if_defined(new_keys), optional_if_defined(new_values),
+                optional_if_defined(new_padding));}
 
 }  // namespace torchmha

@@ -39,16 +39,21 @@ Tensor CrossAttentionImpl::forward(const Tensor& x, const Tensor& context, const
 }
 
 StaticKeyValue CrossAttentionImpl::project_context(const Tensor& context) {
-  auto [keys, values] = project_key_value(
-      context, std::nullopt, options.heads(), /*in_proj_weight=*/std::nullopt, /*in_proj_bias=*/std::nullopt,
-      to_k->weight, to_v->weight, /*batch_first=*/true);
+  AttentionParameters params;
+  params.num_heads = options.heads();
+  params.k_proj_weight = to_k->weight;
+  params.v_proj_weight = to_v->weight;
+  auto [keys, values] = project_key_value(context, std::nullopt, params, /*batch_first=*/true);
   return {keys, values};
 }
 
 Tensor CrossAttentionImpl::forward_with_cache(const Tensor& x, const StaticKeyValue& context, const Tensor& mask) {
-  return dropout(cross_attention(
-      x, context.keys, context.values, options.heads(), to_q->weight, to_out->weight, to_out->bias,
-      optional_if_defined(mask), is_training()));
+  AttentionParameters params;
+  params.num_heads = options.heads();
+  params.q_proj_weight = to_q->weight;
+  params.out_proj_weight = to_out->weight;
+  params.out_proj_bias = optional_if_defined(to_out->bias);
+  return dropout(cross_attention(x, context.keys, context.values, params, optional_if_defined(mask), is_training()));
 }
 
 }  // namespace torchmha

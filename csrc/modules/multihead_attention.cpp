@@ -74,6 +74,26 @@ void MultiheadAttentionImpl::pretty_print(std::ostream& stream) const {
          << ", batch_first=" << options.batch_first() << ")";
 }
 
+AttentionParameters MultiheadAttentionImpl::attention_parameters() const {
+  AttentionParameters params;
+  params.num_heads = options.num_heads();
+  params.in_proj_weight = optional_if_defined(in_proj_weight);
+  params.in_proj_bias = optional_if_defined(in_proj_bias);
+  params.q_proj_weight = optional_if_defined(q_proj_weight);
+  params.k_proj_weight = optional_if_defined(k_proj_weight);
+  params.v_proj_weight = optional_if_defined(v_proj_weight);
+  params.bias_k = optional_if_defined(bias_k);
+  params.bias_v = optional_if_defined(bias_v);
+  params.add_zero_attn = options.add_zero_attn();
+  params.out_proj_weight = out_proj->weight;
+  params.out_proj_bias = optional_if_defined(out_proj->bias);
+  return params;
+}
+
+DecodingOptions MultiheadAttentionImpl::decoding_options(const Tensor& key_padding_mask) const {
+  return {optional_if_defined(key_padding_mask), options.dropout(), is_training(), options.batch_first()};
+}
+
 std::tuple<Tensor, Tensor> MultiheadAttentionImpl::forward(
     const Tensor& query,
     const Tensor& key,
@@ -84,45 +104,38 @@ std::tuple<Tensor, Tensor> MultiheadAttentionImpl::forward(
     bool average_attn_weights,
     bool is_causal) {
   core::warn_if_mask_dtypes_differ(optional_if_defined(key_padding_mask), optional_if_defined(attn_mask));
-  return multi_head_attention_forward(
-      query, key, value, options.embed_dim(), options.num_heads(), optional_if_defined(in_proj_weight),
-      optional_if_defined(in_proj_bias), optional_if_defined(bias_k), optional_if_defined(bias_v),
-      options.add_zero_attn(), options.dropout(), out_proj->weight, optional_if_defined(out_proj->bias),
-      is_training(), optional_if_defined(key_padding_mask), need_weights, optional_if_defined(attn_mask),
-      optional_if_defined(q_proj_weight), optional_if_defined(k_proj_weight), optional_if_defined(v_proj_weight),
-      average_attn_weights, is_causal, options.batch_first(), fast_path_enabled());
+  AttentionOptions call;
+  call.key_padding_mask = optional_if_defined(key_padding_mask);
+  call.attn_mask = optional_if_defined(attn_mask);
+  call.need_weights = need_weights;
+  call.average_attn_weights = average_attn_weights;
+  call.is_causal = is_causal;
+  call.training = is_training();
+  call.batch_first = options.batch_first();
+  call.dropout_p = options.dropout();
+  call.allow_fast_path = fast_path_enabled();
+  return multi_head_attention_forward(query, key, value, options.embed_dim(), attention_parameters(), call);
 }
 
 // ---------------------------------------------------------------------------------- decoding
 
 Tensor MultiheadAttentionImpl::forward_with_cache(const Tensor& query, KeyValueCache& cache, const Tensor& key_padding_mask,
                                                   const Tensor& new_lengths) {
-  return attention_with_cache(
-      query, cache.keys(), cache.values(), cache.lengths(), options.num_heads(), optional_if_defined(in_proj_weight),
-      optional_if_defined(in_proj_bias), out_proj->weight, optional_if_defined(out_proj->bias),
-      optional_if_defined(key_padding_mask), options.dropout(), is_training(), options.batch_first(),
-      optional_if_defined(q_proj_weight), optional_if_defined(k_proj_weight), optional_if_defined(v_proj_weight),
-      optional_if_defined(bias_k), optional_if_defined(bias_v), options.add_zero_attn(),
-      optional_if_defined(new_lengths));
+  return attention_with_cache(query, cache.keys(), cache.values(), cache.lengths(), attention_parameters(),
+                              decoding_options(key_padding_mask), optional_if_defined(new_lengths));
 }
 
 Tensor MultiheadAttentionImpl::forward_with_cache(
     const Tensor& query,
     const StaticKeyValue& memory,
     const Tensor& key_padding_mask) {
-  return attention_with_static_key_value(
-      query, memory.keys, memory.values, options.num_heads(), optional_if_defined(in_proj_weight),
-      optional_if_defined(in_proj_bias), out_proj->weight, optional_if_defined(out_proj->bias),
-      optional_if_defined(key_padding_mask), options.dropout(), is_training(), options.batch_first(),
-      optional_if_defined(q_proj_weight), optional_if_defined(bias_k), optional_if_defined(bias_v),
-      options.add_zero_attn());
+  return attention_with_static_key_value(query, memory.keys, memory.values, attention_parameters(),
+                                         decoding_options(key_padding_mask));
 }
 
 StaticKeyValue MultiheadAttentionImpl::project_key_value(const Tensor& key, const Tensor& value) {
-  auto [keys, values] = torchmha::project_key_value(
-      key, optional_if_defined(value), options.num_heads(), optional_if_defined(in_proj_weight),
-      optional_if_defined(in_proj_bias), optional_if_defined(k_proj_weight), optional_if_defined(v_proj_weight),
-      options.batch_first(), optional_if_defined(bias_k), optional_if_defined(bias_v), options.add_zero_attn());
+  auto [keys, values] =
+      torchmha::project_key_value(key, optional_if_defined(value), attention_parameters(), options.batch_first());
   return {keys, values};
 }
 

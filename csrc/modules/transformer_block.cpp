@@ -39,12 +39,16 @@ void TransformerBlockImpl::pretty_print(std::ostream& stream) const {
 
 Tensor TransformerBlockImpl::forward(const Tensor& x, const Tensor& attn_mask, const Tensor& key_padding_mask) {
   core::warn_if_mask_dtypes_differ(optional_if_defined(key_padding_mask), optional_if_defined(attn_mask));
-  return transformer_block(
-      x, options.num_heads(), self_attn->in_proj_weight, optional_if_defined(self_attn->in_proj_bias),
-      self_attn->out_proj->weight, optional_if_defined(self_attn->out_proj->bias), linear1->weight,
-      optional_if_defined(linear1->bias), linear2->weight, optional_if_defined(linear2->bias), norm1->weight,
-      norm1->bias, norm2->weight, norm2->bias, options.layer_norm_eps(), self_attn->options.dropout(), dropout->options.p(), options.norm_first(),
-      is_training(), optional_if_defined(attn_mask), optional_if_defined(key_padding_mask), fast_path_enabled());
+  FeedForwardParameters feed_forward{linear1->weight, optional_if_defined(linear1->bias), linear2->weight,
+                                     optional_if_defined(linear2->bias), norm1->weight, norm1->bias, norm2->weight,
+                                     norm2->bias, options.layer_norm_eps(), dropout->options.p(), options.norm_first()};
+  AttentionOptions call;
+  call.attn_mask = optional_if_defined(attn_mask);
+  call.key_padding_mask = optional_if_defined(key_padding_mask);
+  call.training = is_training();
+  call.dropout_p = self_attn->options.dropout();
+  call.allow_fast_path = fast_path_enabled();
+  return transformer_block(x, feed_forward, self_attn->attention_parameters(), call);
 }
 
 }  // namespace torchmha

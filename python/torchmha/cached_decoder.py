@@ -145,11 +145,14 @@ class DecoderState:
     def max_length(self) -> int:
         return self.keys.shape[3]
 
+    def _cache(self) -> tuple:
+        """The decoder ops' DecoderCache (csrc/include/torchmha/attention_arguments.h), in schema order."""
+        return self.keys, self.values, self.lengths, self.memory_keys, self.memory_values, self.memory_padding
+
     def reorder(self, indices: Tensor) -> None:
         """Beam search: sequence i becomes old sequence ``indices[i]``: its caches, length, memory
         and memory mask (in place)."""
-        ops.decoder_reorder(self.keys, self.values, self.lengths, self.memory_keys, self.memory_values,
-                            self.memory_padding, indices)
+        ops.decoder_reorder(*self._cache(), indices)
 
     def reset(self, slots: Slots = None, memory: Optional[Tensor] = None,
               memory_key_padding_mask: Optional[Tensor] = None) -> None:
@@ -164,7 +167,7 @@ class DecoderState:
             new = self._decoder._project_memory(memory, memory_key_padding_mask)
         elif memory_key_padding_mask is not None:
             raise ValueError("CachedDecoder state.reset: memory_key_padding_mask goes with a new memory")
-        ops.decoder_reset(self.lengths, self.memory_keys, self.memory_values, self.memory_padding, slots, *new)
+        ops.decoder_reset(*self._cache(), slots, *new)
 
     def __repr__(self) -> str:
         layers, n, h, m, d = self.keys.shape
@@ -256,8 +259,6 @@ class CachedDecoder(nn.Module):
         the model's output at those positions; sequence n takes its first ``new_lengths[n]``
         ((N,) int64; all T if None), and its rows past that are zeros."""
         return ops.decoder_step(
-            tgt, self.parameter_list(), state.keys, state.values, state.lengths, state.memory_keys,
-            state.memory_values, state.memory_padding, self.num_heads, self._activations, self._norm_first,
-            self._eps, self._final_eps,
-            self.batch_first, self.model.training, new_lengths,
+            tgt, self.parameter_list(), *state._cache(), self.num_heads, self._activations, self._norm_first,
+            self._eps, self._final_eps, self.batch_first, self.model.training, new_lengths,
         )

@@ -4,7 +4,7 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from ._ops import ops, rules
+from ._ops import attention_parameters, ops, rules
 from .kv_cache import StaticKeyValue
 
 
@@ -44,10 +44,8 @@ class CrossAttention(nn.Module):
 
     def project_context(self, context: Tensor) -> StaticKeyValue:
         """The context's keys and values, (N, heads, S, dim_head) each, to reuse across decoding steps."""
-        return StaticKeyValue(*ops.project_key_value(
-            key=context, value=None, num_heads=self.heads, in_proj_weight=None, in_proj_bias=None,
-            k_proj_weight=self.to_k.weight, v_proj_weight=self.to_v.weight, batch_first=True,
-        ))
+        params = attention_parameters(self.heads, k_proj_weight=self.to_k.weight, v_proj_weight=self.to_v.weight)
+        return StaticKeyValue(*ops.project_key_value(context, None, *params, True))
 
     def forward_with_cache(self, x: Tensor, context: StaticKeyValue, mask: Optional[Tensor] = None) -> Tensor:
         """``forward`` with the context already projected by :meth:`project_context`."""
@@ -56,10 +54,11 @@ class CrossAttention(nn.Module):
                 f"CrossAttention.forward_with_cache takes the context projected by project_context(context), "
                 f"not {type(context).__name__}"
             )
-        return self.dropout(ops.cross_attention(
-            x=x, keys=context.keys, values=context.values, heads=self.heads, to_q_weight=self.to_q.weight,
-            to_out_weight=self.to_out.weight, to_out_bias=self.to_out.bias, mask=mask, training=self.training,
-        ))
+        params = attention_parameters(
+            self.heads, q_proj_weight=self.to_q.weight, out_proj_weight=self.to_out.weight,
+            out_proj_bias=self.to_out.bias,
+        )
+        return self.dropout(ops.cross_attention(x, context.keys, context.values, *params, mask, self.training))
 
     def forward(self, x: Tensor, context: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> Tensor:
         return self.forward_with_cache(x, self.project_context(x if context is None else context), mask)

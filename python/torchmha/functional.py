@@ -5,7 +5,7 @@ from typing import Optional
 
 from torch import Tensor
 
-from ._ops import ops
+from ._ops import attention_options, attention_parameters, ops
 
 
 def warn_if_mask_dtypes_differ(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor]) -> None:
@@ -77,12 +77,13 @@ def multi_head_attention_forward(
         in_proj_weight = None
     else:
         q_proj_weight = k_proj_weight = v_proj_weight = None
-    return ops.multi_head_attention_forward(
-        query=query, key=key, value=value, embed_dim=embed_dim_to_check, num_heads=num_heads,
-        in_proj_weight=in_proj_weight, in_proj_bias=in_proj_bias, bias_k=bias_k, bias_v=bias_v,
-        add_zero_attn=add_zero_attn, dropout_p=dropout_p, out_proj_weight=out_proj_weight,
-        out_proj_bias=out_proj_bias, training=training, key_padding_mask=key_padding_mask,
-        need_weights=need_weights, attn_mask=attn_mask, q_proj_weight=q_proj_weight, k_proj_weight=k_proj_weight,
-        v_proj_weight=v_proj_weight, average_attn_weights=average_attn_weights, is_causal=is_causal,
+    params = attention_parameters(
+        num_heads, None, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight,
+        bias_k=bias_k, bias_v=bias_v, add_zero_attn=add_zero_attn, out_proj_weight=out_proj_weight,
+        out_proj_bias=out_proj_bias,
+    )
+    options = attention_options(
+        key_padding_mask, attn_mask, need_weights, average_attn_weights, is_causal, training, False, dropout_p,
         static_k=static_k, static_v=static_v,
     )
+    return ops.multi_head_attention_forward(query, key, value, embed_dim_to_check, *params, *options)

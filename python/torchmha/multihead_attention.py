@@ -6,7 +6,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from ._ops import fast_path_allowed, ops
+from ._ops import attention_options, attention_parameters, decoding_options, fast_path_allowed, ops
 from .functional import warn_if_mask_dtypes_differ
 from .kv_cache import KeyValueCache, StaticKeyValue
 
@@ -19,17 +19,15 @@ def _parameter(module: nn.Module, name: str):
 
 
 @torch.jit.unused
-def _parameters_of(
-    module: nn.MultiheadAttention,
-) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor],
-           Optional[Tensor], Optional[Tensor], Tensor, Optional[Tensor]]:
-    """The module's parameters in forward's order (eager mode; TorchScript reads the attributes)."""
+def _parameters_of(module: nn.MultiheadAttention):
+    """The module's parameters as the ops take them (eager mode; TorchScript reads the attributes)."""
     modules = module.__dict__["_modules"]
     out_proj = modules["out_proj"] if "out_proj" in modules else module.out_proj
-    return (
-        _parameter(module, "in_proj_weight"), _parameter(module, "in_proj_bias"), _parameter(module, "bias_k"),
-        _parameter(module, "bias_v"), _parameter(module, "q_proj_weight"), _parameter(module, "k_proj_weight"),
-        _parameter(module, "v_proj_weight"), _parameter(out_proj, "weight"), _parameter(out_proj, "bias"),
+    return attention_parameters(
+        module.num_heads, None, _parameter(module, "in_proj_weight"), _parameter(module, "in_proj_bias"),
+        _parameter(module, "q_proj_weight"), _parameter(module, "k_proj_weight"), _parameter(module, "v_proj_weight"),
+        None, None, None, _parameter(module, "bias_k"), _parameter(module, "bias_v"), module.add_zero_attn,
+        _parameter(out_proj, "weight"), _parameter(out_proj, "bias"),
     )
 
 
@@ -59,17 +57,19 @@ class MultiheadAttention(nn.MultiheadAttention):
     ) -> Tuple[Tensor, Optional[Tensor]]:
         warn_if_mask_dtypes_differ(key_padding_mask, attn_mask)
         if torch.jit.is_scripting():  # (TorchScript cannot read the dicts)
-            params = (self.in_proj_weight, self.in_proj_bias, self.bias_k, self.bias_v, self.q_proj_weight,
-                      self.k_proj_weight, self.v_proj_weight, self.out_proj.weight, self.out_proj.bias)
+            params = attention_parameters(
+                self.num_heads, None, self.in_proj_weight, self.in_proj_bias, self.q_proj_weight, self.k_proj_weight,
+                self.v_proj_weight, None, None, None, self.bias_k, self.bias_v, self.add_zero_attn,
+                self.out_proj.weight, self.out_proj.bias,
+            )
         else:
             params = _parameters_of(self)
-        in_w, in_b, bias_k, bias_v, q_w, k_w, v_w, out_w, out_b = params
         # Positional: torch.ops matches keyword arguments against the schema by name, 60k instructions
-        # a call for these 24 (callgrind), a fifth of what a 16-token call spent beyond its GEMMs.
+        # a call for 24 of them (callgrind), a fifth of what a 16-token call spent beyond its GEMMs.
         return ops.multi_head_attention_forward(
-            query, key, value, self.embed_dim, self.num_heads, in_w, in_b, bias_k, bias_v, self.add_zero_attn,
-            self.dropout, out_w, out_b, self.training, key_padding_mask, need_weights, attn_mask, q_w, k_w, v_w,
-            average_attn_weights, is_causal, self.batch_first, fast_path_allowed(),
+            query, key, value, self.embed_dim, *params,
+            *attention_options(key_padding_mask, attn_mask, need_weights, average_attn_weights, is_causal,
+                               self.training, self.batch_first, self.dropout, fast_path_allowed()),
         )
 
     def forward_with_cache(
@@ -95,20 +95,15 @@ class MultiheadAttention(nn.MultiheadAttention):
 
         Returns the output only, laid out like ``query``.
         """
-        in_w, in_b, bias_k, bias_v, q_w, k_w, v_w, out_w, out_b = _parameters_of(self)
+        params = _parameters_of(self)
+        options = decoding_options(key_padding_mask, self.dropout, self.training, self.batch_first)
         if isinstance(cache, KeyValueCache):  # (positional, as in forward: one call a token)
-            return ops.attention_with_cache(
-                query, cache.keys, cache.values, cache.lengths, self.num_heads, in_w, in_b, out_w, out_b,
-                key_padding_mask, self.dropout, self.training, self.batch_first, q_w, k_w, v_w, bias_k, bias_v,
-                self.add_zero_attn, new_lengths,
-            )
+            return ops.attention_with_cache(query, cache.keys, cache.values, cache.lengths, *params, *options,
+                                            new_lengths)
         if new_lengths is not None:
             raise ValueError("forward_with_cache: new_lengths is for a KeyValueCache")
         if isinstance(cache, StaticKeyValue):
-            return ops.attention_with_static_key_value(
-                query, cache.keys, cache.values, self.num_heads, in_w, in_b, out_w, out_b, key_padding_mask,
-                self.dropout, self.training, self.batch_first, q_w, bias_k, bias_v, self.add_zero_attn,
-            )
+            return ops.attention_with_static_key_value(query, cache.keys, cache.values, *params, *options)
         cache_type = f"{type(cache).__module__}.{type(cache).__qualname__}"
         raise TypeError(
             f"cache must be a torchmha.KeyValueCache or torchmha.StaticKeyValue, not {cache_type} "
@@ -118,11 +113,7 @@ class MultiheadAttention(nn.MultiheadAttention):
     def project_key_value(self, key: Tensor, value: Optional[Tensor] = None) -> StaticKeyValue:
         """Projects a fixed memory (key (S, N, kdim), value (S, N, vdim), batch_first: (N, S, *);
         value defaults to key) once into a :class:`torchmha.StaticKeyValue` for forward_with_cache."""
-        return StaticKeyValue(*ops.project_key_value(
-            key=key, value=value, num_heads=self.num_heads, in_proj_weight=self.in_proj_weight,
-            in_proj_bias=self.in_proj_bias, k_proj_weight=self.k_proj_weight, v_proj_weight=self.v_proj_weight,
-            batch_first=self.batch_first, bias_k=self.bias_k, bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
-        ))
+        return StaticKeyValue(*ops.project_key_value(key, value, *_parameters_of(self), self.batch_first))
 
 
 def replace_multihead_attention(model: nn.Module) -> int:

@@ -4,7 +4,7 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from ._ops import fast_path_allowed, ops, rules
+from ._ops import attention_options, attention_parameters, fast_path_allowed, ops, rules
 from .functional import warn_if_mask_dtypes_differ
 from .multihead_attention import MultiheadAttention
 
@@ -47,13 +47,16 @@ class TransformerBlock(nn.Module):
         """x (N, L, E); attn_mask (L, L) or (N*H, L, L), key_padding_mask (N, L), as torch's."""
         warn_if_mask_dtypes_differ(key_padding_mask, attn_mask)
         attention = self.self_attn
-        return ops.transformer_block(
-            x=x, num_heads=attention.num_heads, in_proj_weight=attention.in_proj_weight,
-            in_proj_bias=attention.in_proj_bias, out_proj_weight=attention.out_proj.weight,
-            out_proj_bias=attention.out_proj.bias, linear1_weight=self.linear1.weight, linear1_bias=self.linear1.bias,
-            linear2_weight=self.linear2.weight, linear2_bias=self.linear2.bias, norm1_weight=self.norm1.weight,
-            norm1_bias=self.norm1.bias, norm2_weight=self.norm2.weight, norm2_bias=self.norm2.bias,
-            layer_norm_eps=self.norm1.eps, attention_dropout=attention.dropout, dropout=self.dropout.p,
-            norm_first=self.norm_first, training=self.training, attn_mask=attn_mask,
-            key_padding_mask=key_padding_mask, allow_fast_path=fast_path_allowed(),
+        feed_forward = (
+            self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias, self.norm1.weight,
+            self.norm1.bias, self.norm2.weight, self.norm2.bias, self.norm1.eps, self.dropout.p, self.norm_first,
         )
+        params = attention_parameters(
+            attention.num_heads, in_proj_weight=attention.in_proj_weight, in_proj_bias=attention.in_proj_bias,
+            out_proj_weight=attention.out_proj.weight, out_proj_bias=attention.out_proj.bias,
+        )
+        options = attention_options(
+            key_padding_mask, attn_mask, training=self.training, batch_first=True, dropout_p=attention.dropout,
+            allow_fast_path=fast_path_allowed(),
+        )
+        return ops.transformer_block(x, *feed_forward, *params, *options)

@@ -5,7 +5,14 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from ._ops import ops, rules
+from ._ops import attention_options, attention_parameters, ops, rules
+
+
+def _versions_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, params: tuple,
+                      mask: Optional[Tensor]) -> Tensor:
+    """The versions' one call: no weights returned, the module's mode and dropout."""
+    options = attention_options(attn_mask=mask, need_weights=False, training=module.training, dropout_p=module.dropout)
+    return ops.multi_head_attention_forward(query, key, value, module.embed_dim, *params, *options)[0]
 
 
 class _SeparateProjectionAttention(nn.Module):
@@ -23,14 +30,12 @@ class _SeparateProjectionAttention(nn.Module):
         self.out_proj = nn.Linear(embed_dim, embed_dim, **factory)
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor]) -> Tensor:
-        return ops.multi_head_attention_forward(
-            query=query, key=key, value=value, embed_dim=self.embed_dim, num_heads=self.num_heads,
-            in_proj_weight=None, in_proj_bias=None, bias_k=None, bias_v=None, add_zero_attn=False,
-            dropout_p=self.dropout, out_proj_weight=self.out_proj.weight, out_proj_bias=self.out_proj.bias,
-            training=self.training, need_weights=False, attn_mask=mask, q_proj_weight=self.q_proj.weight,
-            k_proj_weight=self.k_proj.weight, v_proj_weight=self.v_proj.weight, q_proj_bias=self.q_proj.bias,
-            k_proj_bias=self.k_proj.bias, v_proj_bias=self.v_proj.bias,
-        )[0]
+        params = attention_parameters(
+            self.num_heads, q_proj_weight=self.q_proj.weight, k_proj_weight=self.k_proj.weight,
+            v_proj_weight=self.v_proj.weight, q_proj_bias=self.q_proj.bias, k_proj_bias=self.k_proj.bias,
+            v_proj_bias=self.v_proj.bias, out_proj_weight=self.out_proj.weight, out_proj_bias=self.out_proj.bias,
+        )
+        return _versions_forward(self, query, key, value, params, mask)
 
 
 class MultiheadAttentionV1(_SeparateProjectionAttention):
@@ -103,12 +108,11 @@ class MultiheadAttentionV4(nn.Module):
         self.out_proj = nn.Linear(embed_dim, embed_dim, **factory)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-        return ops.multi_head_attention_forward(
-            query=query, key=key, value=value, embed_dim=self.embed_dim, num_heads=self.num_heads,
-            in_proj_weight=self.in_proj.weight, in_proj_bias=self.in_proj.bias, bias_k=None, bias_v=None,
-            add_zero_attn=False, dropout_p=self.dropout, out_proj_weight=self.out_proj.weight,
-            out_proj_bias=self.out_proj.bias, training=self.training, need_weights=False, attn_mask=mask,
-        )[0]
+        params = attention_parameters(
+            self.num_heads, in_proj_weight=self.in_proj.weight, in_proj_bias=self.in_proj.bias,
+            out_proj_weight=self.out_proj.weight, out_proj_bias=self.out_proj.bias,
+        )
+        return _versions_forward(self, query, key, value, params, mask)
 
     def extra_repr(self) -> str:
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}"

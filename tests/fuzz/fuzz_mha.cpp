@@ -96,10 +96,32 @@ void fuzz_one_call(Choices& c) {
   const double dropout = c.below(4) == 0 ? 0.5 : 0.0;
 
   at::NoGradGuard inference;  // as in serving; also makes the fused fast path reachable
-  torchmha::multi_head_attention_forward(
-      query, key, value, embed, heads, in_proj_weight, in_proj_bias, bias_k, bias_v, add_zero_attn, dropout,
-      at::randn({embed, embed}, w), bias ? std::optional<at::Tensor>(at::randn({embed}, w)) : std::nullopt, training,
-      kpm, need_weights, attn_mask, q_w, k_w, v_w, average, is_causal, batch_first, fast_path);
+  torchmha::AttentionParameters params;
+  params.num_heads = heads;
+  params.in_proj_weight = in_proj_weight;
+  params.in_proj_bias = in_proj_bias;
+  params.q_proj_weight = q_w;
+  params.k_proj_weight = k_w;
+  params.v_proj_weight = v_w;
+  params.bias_k = bias_k;
+  params.bias_v = bias_v;
+  params.add_zero_attn = add_zero_attn;
+  if (c.below(8) == 0) {  // a head size of the caller's (head parallelism), sometimes wrong
+    params.head_dim = c.below(4);
+  }
+  params.out_proj_weight = at::randn({embed, embed}, w);
+  params.out_proj_bias = bias ? std::optional<at::Tensor>(at::randn({embed}, w)) : std::nullopt;
+  torchmha::AttentionOptions call;
+  call.key_padding_mask = kpm;
+  call.attn_mask = attn_mask;
+  call.need_weights = need_weights;
+  call.average_attn_weights = average;
+  call.is_causal = is_causal;
+  call.training = training;
+  call.batch_first = batch_first;
+  call.dropout_p = dropout;
+  call.allow_fast_path = fast_path;
+  torchmha::multi_head_attention_forward(query, key, value, embed, params, call);
 }
 
 void fuzz_packed_projection(Choices& c) {
@@ -135,10 +157,13 @@ void fuzz_cached_step(Choices& c) {
   }
   const double dropout = c.below(4) == 0 ? 0.25 : 0.0;
   at::NoGradGuard inference;
-  torchmha::attention_with_cache(query, k_cache, v_cache, lengths, H, at::randn({3 * E, E}, options),
-                                 at::randn({3 * E}, options), at::randn({E, E}, options), std::nullopt, padding,
-                                 dropout, /*training=*/dropout > 0, batch_first, std::nullopt, std::nullopt,
-                                 std::nullopt, std::nullopt, std::nullopt, false, new_lengths);
+  torchmha::AttentionParameters params;
+  params.num_heads = H;
+  params.in_proj_weight = at::randn({3 * E, E}, options);
+  params.in_proj_bias = at::randn({3 * E}, options);
+  params.out_proj_weight = at::randn({E, E}, options);
+  torchmha::attention_with_cache(query, k_cache, v_cache, lengths, params,
+                                 {padding, dropout, /*training=*/dropout > 0, batch_first}, new_lengths);
 }
 
 }  // namespace

@@ -216,13 +216,11 @@ def test_reset_rejects_a_memory_that_does_not_fit_the_state():
     state = g.state
     reset = torch.ops.torchmha.decoder_reset
     with pytest.raises(ValueError, match=r"reset expected the new memory's keys and values of shape \(2, 2 slots"):
-        reset(state.lengths, state.memory_keys, state.memory_values, state.memory_padding, None, keys, values, padding)
+        reset(*state._cache(), None, keys, values, padding)
     with pytest.raises(ValueError, match="reset expected the new memory's keys and values"):
-        reset(state.lengths, state.memory_keys, state.memory_values, state.memory_padding, torch.tensor([0]), keys,
-              None, padding)
+        reset(*state._cache(), torch.tensor([0]), keys, None, padding)
     with pytest.raises(ValueError, match=r"reset expected the new memory's padding of shape \(1, 5\)"):
-        reset(state.lengths, state.memory_keys, state.memory_values, state.memory_padding, torch.tensor([0]), keys,
-              values, padding[:, :2])
+        reset(*state._cache(), torch.tensor([0]), keys, values, padding[:, :2])
 
 
 @pytest.mark.parametrize("slots", [1, [1], torch.tensor([1]), torch.tensor([False, True, False]), (1,)])

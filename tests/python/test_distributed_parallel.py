@@ -174,6 +174,31 @@ def test_head_parallel_matches_single_process():
     _spawn(_head_parallel_parity, 2)
 
 
+def _head_parallel_products(rank, world_size):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountProducts(TorchDispatchMode):
+        products = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm,
+                                       torch.ops.aten.baddbmm):
+                self.products.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    module = torchmha.distributed.parallelize_heads(nn.MultiheadAttention(16, 4, batch_first=True)).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad(), CountProducts() as counter:
+        module(x, x, x, need_weights=False)
+    # This rank's in-projection (one packed GEMM for self-attention: the core projects the query
+    # to its heads itself, given head_dim) and its out-projection: no identity product for q.
+    assert len(counter.products) == 2 and counter.products[0] == "addmm", counter.products
+
+
+def test_head_parallel_runs_two_products_per_layer():
+    _spawn(_head_parallel_products, 2)
+
+
 def _non_divisible(rank, world_size):
     module = torchmha.MultiheadAttention(6, 3)
     with pytest.raises(ValueError, match=r"num_heads \(3\) must be divisible by the number of ranks.*\(2\)"):

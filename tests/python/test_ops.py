@@ -5,8 +5,11 @@ import pytest
 import torch
 from torch.library import opcheck
 
+import inspect
+
 import torchmha
 from helpers import assert_close, mha_pair
+from torchmha._ops import attention_options, attention_parameters, decoding_options
 
 
 class TinyModel(torch.nn.Module):
@@ -49,6 +52,30 @@ def test_compile_inductor_inference():
         assert_close(compiled(x), model(x), torch.float32)
 
 
+def test_python_argument_runs_follow_the_schemas():
+    """The ops' schemas are written from the C++ argument structs; the Python helpers that spell
+    the same runs positionally must list the same names, in the same order, with the same defaults."""
+    ops = torch.ops.torchmha
+    runs = {helper: inspect.signature(helper).parameters for helper in (attention_parameters, attention_options,
+                                                                         decoding_options)}
+    params, options, decoding = (list(runs[h]) for h in (attention_parameters, attention_options, decoding_options))
+    expected = {
+        ops.multi_head_attention_forward: ["query", "key", "value", "embed_dim", *params, *options],
+        ops.attention_with_cache: ["query", "k_cache", "v_cache", "lengths", *params, *decoding, "new_lengths"],
+        ops.attention_with_static_key_value: ["query", "keys", "values", *params, *decoding],
+        ops.project_key_value: ["key", "value", *params, "batch_first"],
+        ops.cross_attention: ["x", "keys", "values", *params, "mask", "training"],
+    }
+    for op, names in expected.items():
+        assert [a.name for a in op.default._schema.arguments] == names, op
+    for helper, op in ((attention_parameters, ops.multi_head_attention_forward),
+                       (attention_options, ops.multi_head_attention_forward), (decoding_options, ops.attention_with_cache)):
+        schema = {a.name: a for a in op.default._schema.arguments}
+        for name, parameter in runs[helper].items():
+            default = schema[name].default_value if schema[name].has_default_value() else inspect.Parameter.empty
+            assert default == parameter.default, (helper.__name__, name)
+
+
 def sample_inputs():
     E = 8
     q = torch.randn(3, 2, E, dtype=torch.float64, requires_grad=True)
@@ -58,16 +85,17 @@ def sample_inputs():
     ow = torch.randn(E, E, dtype=torch.float64, requires_grad=True)
     ob = torch.randn(E, dtype=torch.float64, requires_grad=True)
     mask = torch.randn(3, 4, dtype=torch.float64)
+    params = attention_parameters(2, in_proj_weight=w, in_proj_bias=b, out_proj_weight=ow, out_proj_bias=ob)
     ops = torch.ops.torchmha
     return [
         (ops.in_projection_packed.default, (q, q, q, w, b), {}),
         (ops.in_projection_packed.default, (q, kv, kv, w, None), {}),
         (ops.in_projection.default, (q, kv, kv, ow, ow, ow, ob, ob, ob), {}),
-        (ops.multi_head_attention_forward.default, (q, kv, kv, E, 2, w, b, None, None, False, 0.0, ow, ob),
-         dict(attn_mask=mask)),
+        (ops.multi_head_attention_forward.default, (q, kv, kv, E, *params), dict(attn_mask=mask)),
         # batch_first on transposed (non-contiguous) views: N=2, L=3, S=4
         (ops.multi_head_attention_forward.default,
-         (q.transpose(0, 1), kv.transpose(0, 1), kv.transpose(0, 1), E, 2, w, b, None, None, True, 0.0, ow, ob),
+         (q.transpose(0, 1), kv.transpose(0, 1), kv.transpose(0, 1), E, *attention_parameters(
+             2, in_proj_weight=w, in_proj_bias=b, add_zero_attn=True, out_proj_weight=ow, out_proj_bias=ob)),
          dict(need_weights=False, attn_mask=mask, batch_first=True)),
         # the explicit-weights kernel (inference only: no input requires grad); q (N, H, L, D) strided
         (ops.attention_with_weights.default,
@@ -113,20 +141,24 @@ def decoding_samples():
     block = dict(
         linear1_weight=param(2 * E, E), linear1_bias=param(2 * E), linear2_weight=param(E, 2 * E),
         linear2_bias=param(E), norm1_weight=param(E), norm1_bias=param(E), norm2_weight=param(E),
-        norm2_bias=param(E), layer_norm_eps=1e-5, attention_dropout=0.0, dropout=0.0, norm_first=False,
-        training=False,
+        norm2_bias=param(E), layer_norm_eps=1e-5, dropout=0.0, norm_first=False, training=False,
     )
+    packed = attention_parameters(H, in_proj_weight=w_in, in_proj_bias=b_in, out_proj_weight=w_out, out_proj_bias=b_out)
+    detached = attention_parameters(H, in_proj_weight=w_in.detach(), in_proj_bias=b_in.detach(),
+                                    out_proj_weight=w_out.detach(), out_proj_bias=b_out.detach())
     return [
-        (ops.project_key_value.default, (context, None, H, w_in, b_in), {}),
-        (ops.project_key_value.default, (torch.randn(5, N, 5, **f64), torch.randn(5, N, 3, **f64), H, None, b_in),
-         {"k_proj_weight": w_k, "v_proj_weight": w_v}),
-        (ops.attention_with_static_key_value.default, (query, keys, values, H, w_in, b_in, w_out, b_out), {}),
+        (ops.project_key_value.default, (context, None, *attention_parameters(H, in_proj_weight=w_in, in_proj_bias=b_in)),
+         {}),
+        (ops.project_key_value.default, (torch.randn(5, N, 5, **f64), torch.randn(5, N, 3, **f64),
+                                         *attention_parameters(H, in_proj_bias=b_in, k_proj_weight=w_k, v_proj_weight=w_v)),
+         {}),
+        (ops.attention_with_static_key_value.default, (query, keys, values, *packed), {}),
         (ops.attention_with_cache.default,
          (query.detach(), torch.zeros(N, H, max_len, D, **f64), torch.zeros(N, H, max_len, D, **f64),
-          torch.tensor([2, 2]), H, *(t.detach() for t in (w_in, b_in, w_out, b_out))), {}),
+          torch.tensor([2, 2]), *detached), {}),
         (ops.attention_with_cache.default,
          (torch.randn(2, N, E, **f64), torch.randn(N, H, max_len, D, **f64), torch.randn(N, H, max_len, D, **f64),
-          torch.tensor([3, 0]), H, *(t.detach() for t in (w_in, b_in, w_out, b_out))),
+          torch.tensor([3, 0]), *detached),
          {"new_lengths": torch.tensor([1, 2]), "key_padding_mask": torch.tensor([[False] * 4, [False, True, False, False]])}),
         (ops.decode_attention.default,
          (*(torch.randn(N, H, 2, D, **f64) for _ in range(3)), torch.randn(N, H, max_len, D, **f64),
@@ -138,10 +170,13 @@ def decoding_samples():
          (torch.randn(N, H, max_len, D, **f64), torch.randn(N, H, max_len, D, **f64), torch.tensor([3, 1]),
           torch.tensor([1, 1])), {}),
         (ops.reset_cache.default, (torch.tensor([3, 1]), torch.tensor([1])), {}),
-        (ops.cross_attention.default, (query.transpose(0, 1), keys, values, H, param(E, E), w_out, b_out),
+        (ops.cross_attention.default,
+         (query.transpose(0, 1), keys, values,
+          *attention_parameters(H, q_proj_weight=param(E, E), out_proj_weight=w_out, out_proj_bias=b_out)),
          {"mask": torch.rand(N, 5) > 0.2}),
-        (ops.transformer_block.default, (torch.randn(N, 3, E, **f64, requires_grad=True), H, w_in, b_in, w_out, b_out),
-         block),
+        (ops.transformer_block.default, (torch.randn(N, 3, E, **f64, requires_grad=True),),
+         dict(block, num_heads=H, in_proj_weight=w_in, in_proj_bias=b_in, out_proj_weight=w_out, out_proj_bias=b_out,
+              batch_first=True)),
     ]
 
 

@@ -7,6 +7,7 @@
 // H heads, D head_dim, M capacity, S memory length, T new positions, E d_model. LibTorch's layers
 // are sequence-first: tgt (T, N, E), memory (S, N, E).
 
+#include <torchmha/attention_arguments.h>
 #include <torchmha/export.h>
 
 #include <ATen/core/List.h>
@@ -118,6 +119,7 @@ class TORCHMHA_API DecoderState {
   int64_t max_length() const { return keys_.size(3); }
 
  private:
+  DecoderCache cache() const;  // the decoder ops' view of this state
   friend class CachedDecoder;
   explicit DecoderState(CachedDecoder decoder) : decoder_(std::move(decoder)) {}
 

@@ -6,10 +6,10 @@
 //
 // Shapes: E = embed_dim, H = num_heads, D = head_dim, L target length, S source length, N batch,
 // T new positions, M cache capacity. Query layouts follow batch_first: (L, N, E) or (N, L, E).
-// A module's parameters are passed in torch.nn.MultiheadAttention's form: the packed
-// in_proj_weight (3E, E), or, when it is absent, q_proj_weight (E, E), k_proj_weight (E, kdim),
-// v_proj_weight (E, vdim); in_proj_bias (3E); bias_k, bias_v (1, 1, E); out_proj (E, E).
+// A module's parameters come as AttentionParameters, a call's masks and flags as AttentionOptions
+// or DecodingOptions (attention_arguments.h): the op schemas are written from those structs.
 
+#include <torchmha/attention_arguments.h>
 #include <torchmha/export.h>
 
 #include <ATen/core/List.h>
@@ -55,54 +55,24 @@ TORCHMHA_API std::vector<at::Tensor> in_projection(
     const std::optional<at::Tensor>& b_v = std::nullopt);
 
 /// torch.nn.MultiheadAttention.forward (and torch.nn.functional.multi_head_attention_forward),
-/// with the module's batch_first handling and, with allow_fast_path, its fused inference path.
-///  - query (L, N, E), key (S, N, kdim), value (S, N, vdim), or (N, *, *) with batch_first, or
-///    unbatched (L, E), (S, kdim), (S, vdim);
-///  - key_padding_mask (N, S) or (S); attn_mask (L, S) or (N*H, L, S); bool masks: true = not
-///    allowed to attend; float masks are added to the scores;
-///  - q_proj_bias, k_proj_bias, v_proj_bias (E): separate biases with separate weights (v1-v3's
-///    Linear layers), instead of in_proj_bias;
-///  - static_k, static_v (N*H, S, D): keys and values used as they are instead of the projected
-///    ones (torch.nn.functional.multi_head_attention_forward's static_k/static_v).
+/// with the module's batch_first handling and, with options.allow_fast_path, its fused inference
+/// path: query (L, N, E), key (S, N, kdim), value (S, N, vdim), or (N, *, *) with batch_first, or
+/// unbatched (L, E), (S, kdim), (S, vdim); embed_dim is checked against query's E.
 /// Returns {output (like query, last dim E), weights}: (N, L, S) averaged over heads, (N, H, L, S)
 /// otherwise, without N for unbatched input, undefined when need_weights is false (then the
-/// L x S weights are never built: SDPA computes the output). is_causal is a hint that attn_mask is
-/// causal; it needs attn_mask, as in torch.
+/// L x S weights are never built: SDPA computes the output).
 TORCHMHA_API std::tuple<at::Tensor, at::Tensor> multi_head_attention_forward(
     const at::Tensor& query,
     const at::Tensor& key,
     const at::Tensor& value,
     int64_t embed_dim,
-    int64_t num_heads,
-    const std::optional<at::Tensor>& in_proj_weight,
-    const std::optional<at::Tensor>& in_proj_bias,
-    const std::optional<at::Tensor>& bias_k,
-    const std::optional<at::Tensor>& bias_v,
-    bool add_zero_attn,
-    double dropout_p,
-    const at::Tensor& out_proj_weight,
-    const std::optional<at::Tensor>& out_proj_bias,
-    bool training = true,
-    const std::optional<at::Tensor>& key_padding_mask = std::nullopt,
-    bool need_weights = true,
-    const std::optional<at::Tensor>& attn_mask = std::nullopt,
-    const std::optional<at::Tensor>& q_proj_weight = std::nullopt,
-    const std::optional<at::Tensor>& k_proj_weight = std::nullopt,
-    const std::optional<at::Tensor>& v_proj_weight = std::nullopt,
-    bool average_attn_weights = true,
-    bool is_causal = false,
-    bool batch_first = false,
-    bool allow_fast_path = false,
-    const std::optional<at::Tensor>& q_proj_bias = std::nullopt,
-    const std::optional<at::Tensor>& k_proj_bias = std::nullopt,
-    const std::optional<at::Tensor>& v_proj_bias = std::nullopt,
-    const std::optional<at::Tensor>& static_k = std::nullopt,
-    const std::optional<at::Tensor>& static_v = std::nullopt);
+    const AttentionParameters& params,
+    const AttentionOptions& options = {});
 
 // ------------------------------------------------------------------------------------ decoding
-// The module's parameters as above; num_heads splits its in-projection (width H * D, which may
-// differ from E) into heads. bias_k, bias_v and add_zero_attn are rejected: a cache holds no
-// positions for them. Cached keys and values are (N, H, M, D).
+// num_heads (and head_dim) split the in-projection (width H * D, which may differ from E) into
+// heads. bias_k, bias_v and add_zero_attn are rejected: a cache holds no positions for them.
+// Cached keys and values are (N, H, M, D).
 
 /// One step of incremental causal self-attention, each sequence at its own position: query
 /// (T, N, E) or (N, T, E) holds up to T next positions per sequence. Sequence n appends its first
@@ -110,29 +80,16 @@ TORCHMHA_API std::tuple<at::Tensor, at::Tensor> multi_head_attention_forward(
 /// written in place into k_cache and v_cache at [lengths[n], lengths[n] + new_lengths[n]), query
 /// row t (position lengths[n] + t) sees keys 0 .. lengths[n] + t, and lengths[n] grows by
 /// new_lengths[n] (in place: lengths (N,) int64 is the cache's own count). Output rows past
-/// new_lengths[n] are zeros. key_padding_mask (N, S) masks cache positions [0, S); S must cover
-/// every filled position. Returns the output in query's layout. Shapes never depend on the
+/// new_lengths[n] are zeros. options.key_padding_mask (N, S) masks cache positions [0, S); S must
+/// cover every filled position. Returns the output in query's layout. Shapes never depend on the
 /// lengths, so under torch.compile one graph serves every step.
 TORCHMHA_API at::Tensor attention_with_cache(
     const at::Tensor& query,
     const at::Tensor& k_cache,
     const at::Tensor& v_cache,
     const at::Tensor& lengths,
-    int64_t num_heads,
-    const std::optional<at::Tensor>& in_proj_weight,
-    const std::optional<at::Tensor>& in_proj_bias,
-    const at::Tensor& out_proj_weight,
-    const std::optional<at::Tensor>& out_proj_bias,
-    const std::optional<at::Tensor>& key_padding_mask = std::nullopt,
-    double dropout_p = 0.0,
-    bool training = false,
-    bool batch_first = false,
-    const std::optional<at::Tensor>& q_proj_weight = std::nullopt,
-    const std::optional<at::Tensor>& k_proj_weight = std::nullopt,
-    const std::optional<at::Tensor>& v_proj_weight = std::nullopt,
-    const std::optional<at::Tensor>& bias_k = std::nullopt,
-    const std::optional<at::Tensor>& bias_v = std::nullopt,
-    bool add_zero_attn = false,
+    const AttentionParameters& params,
+    const DecodingOptions& options = {},
     const std::optional<at::Tensor>& new_lengths = std::nullopt);
 
 /// Beam search: sequence i of the cache (k_cache, v_cache and lengths, in place) becomes old
@@ -152,15 +109,8 @@ TORCHMHA_API void reset_cache(const at::Tensor& lengths, const std::optional<at:
 TORCHMHA_API std::tuple<at::Tensor, at::Tensor> project_key_value(
     const at::Tensor& key,
     const std::optional<at::Tensor>& value,
-    int64_t num_heads,
-    const std::optional<at::Tensor>& in_proj_weight,
-    const std::optional<at::Tensor>& in_proj_bias,
-    const std::optional<at::Tensor>& k_proj_weight = std::nullopt,
-    const std::optional<at::Tensor>& v_proj_weight = std::nullopt,
-    bool batch_first = false,
-    const std::optional<at::Tensor>& bias_k = std::nullopt,
-    const std::optional<at::Tensor>& bias_v = std::nullopt,
-    bool add_zero_attn = false);
+    const AttentionParameters& params,
+    bool batch_first = false);
 
 /// Attention of query (T, N, E) or (N, T, E) to keys and values from project_key_value (the
 /// cross-attention cache); no causal mask. Returns the output in query's layout.
@@ -168,19 +118,8 @@ TORCHMHA_API at::Tensor attention_with_static_key_value(
     const at::Tensor& query,
     const at::Tensor& keys,
     const at::Tensor& values,
-    int64_t num_heads,
-    const std::optional<at::Tensor>& in_proj_weight,
-    const std::optional<at::Tensor>& in_proj_bias,
-    const at::Tensor& out_proj_weight,
-    const std::optional<at::Tensor>& out_proj_bias,
-    const std::optional<at::Tensor>& key_padding_mask = std::nullopt,
-    double dropout_p = 0.0,
-    bool training = false,
-    bool batch_first = false,
-    const std::optional<at::Tensor>& q_proj_weight = std::nullopt,
-    const std::optional<at::Tensor>& bias_k = std::nullopt,
-    const std::optional<at::Tensor>& bias_v = std::nullopt,
-    bool add_zero_attn = false);
+    const AttentionParameters& params,
+    const DecodingOptions& options = {});
 
 // ------------------------------------------------------------------------- cached generation
 // A stack of torch's Transformer layers (nn.TransformerDecoderLayer, or nn.TransformerEncoderLayer
@@ -189,9 +128,8 @@ TORCHMHA_API at::Tensor attention_with_static_key_value(
 // multihead_attn (decoders; absent for encoders) the same four; linear1 weight, bias; linear2
 // weight, bias; norm1, norm2, norm3 (decoders) weight, bias. Per layer: activations ("relu",
 // "gelu", "gelu_tanh", "silu"), norm_first, and 3 eps (norm1, norm2, norm3); final_norm_eps is
-// present when the stack has a final LayerNorm. The state: keys, values (layers, N, H, M, D),
-// lengths (N,) int64, and a decoder's memory_keys, memory_values (layers, N, H, S, D) and
-// memory_padding (N, S), additive.
+// present when the stack has a final LayerNorm. The state between steps is a DecoderCache
+// (attention_arguments.h).
 
 /// One step: tgt (T, N, E) (batch_first: (N, T, E)); sequence n appends its first new_lengths[n]
 /// positions (all T if absent) and gets the stack's output there (rows past it are zeros); the
@@ -199,12 +137,7 @@ TORCHMHA_API at::Tensor attention_with_static_key_value(
 TORCHMHA_API at::Tensor decoder_step(
     const at::Tensor& tgt,
     const c10::List<std::optional<at::Tensor>>& params,
-    const at::Tensor& keys,
-    const at::Tensor& values,
-    const at::Tensor& lengths,
-    const std::optional<at::Tensor>& memory_keys,
-    const std::optional<at::Tensor>& memory_values,
-    const std::optional<at::Tensor>& memory_padding,
+    const DecoderCache& cache,
     int64_t num_heads,
     const std::vector<std::string>& activations,
     const c10::List<bool>& norm_first,
@@ -224,24 +157,14 @@ TORCHMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> decoder_memory(
     bool batch_first,
     const std::optional<at::Tensor>& memory_key_padding_mask = std::nullopt);
 
-/// Beam search: sequence i of every part of the state becomes old sequence indices[i] (in place).
-TORCHMHA_API void decoder_reorder(
-    const at::Tensor& keys,
-    const at::Tensor& values,
-    const at::Tensor& lengths,
-    const std::optional<at::Tensor>& memory_keys,
-    const std::optional<at::Tensor>& memory_values,
-    const std::optional<at::Tensor>& memory_padding,
-    const at::Tensor& indices);
+/// Beam search: sequence i of every part of the cache becomes old sequence indices[i] (in place).
+TORCHMHA_API void decoder_reorder(const DecoderCache& cache, const at::Tensor& indices);
 
 /// Empties the sequences `slots` (a 1-D integer index or bool mask; all if absent). With a new
 /// memory (decoder_memory's three tensors for those k sequences, S' <= S positions), their
 /// memory becomes it, positions past S' masked.
 TORCHMHA_API void decoder_reset(
-    const at::Tensor& lengths,
-    const std::optional<at::Tensor>& memory_keys,
-    const std::optional<at::Tensor>& memory_values,
-    const std::optional<at::Tensor>& memory_padding,
+    const DecoderCache& cache,
     const std::optional<at::Tensor>& slots = std::nullopt,
     const std::optional<at::Tensor>& new_keys = std::nullopt,
     const std::optional<at::Tensor>& new_values = std::nullopt,
@@ -250,43 +173,25 @@ TORCHMHA_API void decoder_reset(
 // ------------------------------------------------------------------------------ layers
 
 /// CrossAttention's forward on a projected context (see cross_attention.h): x (N, L, query_dim),
-/// keys and values (N, heads, S, dim_head), mask (N, S) bool with true = keep. No dropout (the
-/// module applies its own after this).
+/// keys and values (N, heads, S, dim_head), mask (N, S) bool with true = keep; params hold
+/// num_heads, q_proj_weight (to_q) and out_proj (to_out). No dropout (the module applies its own
+/// after this).
 TORCHMHA_API at::Tensor cross_attention(
     const at::Tensor& x,
     const at::Tensor& keys,
     const at::Tensor& values,
-    int64_t heads,
-    const at::Tensor& to_q_weight,
-    const at::Tensor& to_out_weight,
-    const std::optional<at::Tensor>& to_out_bias,
+    const AttentionParameters& params,
     const std::optional<at::Tensor>& mask = std::nullopt,
     bool training = false);
 
 /// TransformerBlock's forward (see transformer_block.h), batch first: x (N, L, E); the
-/// self-attention's parameters as above (packed); then the feed-forward network and LayerNorms.
+/// self-attention's parameters (packed), then the feed-forward network and LayerNorms. Of
+/// `options`, batch_first, need_weights and static_k/static_v are ignored (always true, false and
+/// absent); dropout_p is the attention's dropout.
 TORCHMHA_API at::Tensor transformer_block(
     const at::Tensor& x,
-    int64_t num_heads,
-    const at::Tensor& in_proj_weight,
-    const std::optional<at::Tensor>& in_proj_bias,
-    const at::Tensor& out_proj_weight,
-    const std::optional<at::Tensor>& out_proj_bias,
-    const at::Tensor& linear1_weight,
-    const std::optional<at::Tensor>& linear1_bias,
-    const at::Tensor& linear2_weight,
-    const std::optional<at::Tensor>& linear2_bias,
-    const at::Tensor& norm1_weight,
-    const at::Tensor& norm1_bias,
-    const at::Tensor& norm2_weight,
-    const at::Tensor& norm2_bias,
-    double layer_norm_eps,
-    double attention_dropout,
-    double dropout,
-    bool norm_first,
-    bool training,
-    const std::optional<at::Tensor>& attn_mask = std::nullopt,
-    const std::optional<at::Tensor>& key_padding_mask = std::nullopt,
-    bool allow_fast_path = false);
+    const FeedForwardParameters& feed_forward,
+    const AttentionParameters& attention,
+    const AttentionOptions& options = {});
 
 }  // namespace torchmha

@@ -4,6 +4,7 @@
 // is_causal, unbatched input, 2-D and 3-D bool or float masks, kdim != vdim, packing decided by
 // tensor identity, SDPA when weights are not needed, and the fused inference fast path).
 
+#include <torchmha/attention_arguments.h>
 #include <torchmha/export.h>
 #include <torchmha/kv_cache.h>
 
@@ -92,6 +93,11 @@ class TORCHMHA_API MultiheadAttentionImpl : public torch::nn::Cloneable<Multihea
   /// Projects key (S, N, kdim) and value (S, N, vdim) (batch_first: (N, S, *)) into heads once;
   /// value defaults to key.
   StaticKeyValue project_key_value(const at::Tensor& key, const at::Tensor& value = {});
+
+  /// The module's parameters as the functional API takes them (absent ones std::nullopt).
+  AttentionParameters attention_parameters() const;
+  /// A decoding call's options: the module's dropout, mode and layout, and key_padding_mask.
+  DecodingOptions decoding_options(const at::Tensor& key_padding_mask = {}) const;
 
   /// Registers every parameter and out_proj, then reset_parameters().
   void reset() override;

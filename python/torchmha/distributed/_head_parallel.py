@@ -15,13 +15,12 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .._ops import ops
+from .._ops import attention_options, attention_parameters, ops
 from ..functional import warn_if_mask_dtypes_differ
 from ..multihead_attention import MultiheadAttention
 from ._comm import copy_to_parallel, gather_from_parallel, reduce_from_parallel
@@ -85,35 +84,29 @@ class HeadParallelMultiheadAttention(MultiheadAttention):
                 inputs[id(t)] = copy_to_parallel(t, group) if t.requires_grad else t
         query, key, value = inputs[id(query)], inputs[id(key)], inputs[id(value)]
 
-        if self._qkv_same_embed_dim:
-            w_q, w_k, w_v = _local(self.in_proj_weight).chunk(3)  # type: ignore[union-attr]
+        if self._qkv_same_embed_dim:  # (3E/P, E): this rank's q, k and v rows
+            in_w, q_w, k_w, v_w = _local(self.in_proj_weight), None, None, None
         else:
-            w_q, w_k, w_v = _local(self.q_proj_weight), _local(self.k_proj_weight), _local(self.v_proj_weight)
-        bias = _local(self.in_proj_bias)  # replicated (3E,): this rank takes its heads' entries
-        b_q = b_k = b_v = None
-        if bias is not None:
-            if bias.requires_grad:  # each rank's gradient covers its own heads' entries: sum them
-                bias = copy_to_parallel(bias, group)
+            in_w, q_w, k_w, v_w = None, _local(self.q_proj_weight), _local(self.k_proj_weight), _local(self.v_proj_weight)
+        in_bias = _local(self.in_proj_bias)  # replicated (3E,): this rank takes its heads' entries
+        if in_bias is not None:
+            if in_bias.requires_grad:  # each rank's gradient covers its own heads' entries: sum them
+                in_bias = copy_to_parallel(in_bias, group)
             ours = slice(rank * (self.embed_dim // parts), (rank + 1) * (self.embed_dim // parts))
-            b_q, b_k, b_v = (part[ours] for part in bias.chunk(3))
-        # The core derives the head size from embed_dim (the query's width), so the query is
-        # projected here and handed over with an identity projection; keys and values go through
-        # the core's own projection with this rank's rows (E/P, kdim).
-        q = F.linear(query, w_q, b_q)
-        identity = torch.eye(q.size(-1), dtype=q.dtype, device=q.device)
-        in_bias = None if bias is None else torch.cat([torch.zeros_like(b_q), b_k, b_v])  # type: ignore[arg-type, list-item]
+            in_bias = torch.cat([part[ours] for part in in_bias.chunk(3)])
         if attn_mask is not None and attn_mask.dim() == 3:  # (N * H, L, S) or unbatched (H, L, S): our heads
             mask = attn_mask.unflatten(0, (-1, self.num_heads))
             attn_mask = mask[:, rank * local_heads:(rank + 1) * local_heads].flatten(0, 1)
-        partial, weights = ops.multi_head_attention_forward(
-            query=q, key=key, value=value, embed_dim=q.size(-1), num_heads=local_heads,
-            in_proj_weight=None, in_proj_bias=in_bias, bias_k=_local(self.bias_k), bias_v=_local(self.bias_v),
-            add_zero_attn=self.add_zero_attn, dropout_p=self.dropout, out_proj_weight=_local(self.out_proj.weight),
-            out_proj_bias=None, training=self.training, key_padding_mask=key_padding_mask,
-            need_weights=need_weights, attn_mask=attn_mask, q_proj_weight=identity, k_proj_weight=w_k,
-            v_proj_weight=w_v, average_attn_weights=average_attn_weights, is_causal=is_causal,
-            batch_first=self.batch_first,
+        # head_dim: the core projects query, key and value to this rank's heads (width E/P) itself.
+        params = attention_parameters(
+            local_heads, self.head_dim, in_w, in_bias, q_w, k_w, v_w, bias_k=_local(self.bias_k),
+            bias_v=_local(self.bias_v), add_zero_attn=self.add_zero_attn, out_proj_weight=_local(self.out_proj.weight),
         )
+        options = attention_options(
+            key_padding_mask, attn_mask, need_weights, average_attn_weights, is_causal, self.training,
+            self.batch_first, self.dropout,
+        )
+        partial, weights = ops.multi_head_attention_forward(query, key, value, self.embed_dim, *params, *options)
         output = reduce_from_parallel(partial, group)  # the one all-reduce (g)
         out_bias = _local(self.out_proj.bias)
         if out_bias is not None:
