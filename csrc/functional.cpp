@@ -47,11 +47,7 @@ core::Stack stack_of(const c10::List<OptionalTensor>& params, int64_t num_heads,
 
 }  // namespace
 
-std::vector<Tensor> in_projection_packed(
-    const Tensor& q,
-    const Tensor& k,
-    const Tensor& v,
-    const Tensor& w,
+std::vector<Tensor> in_projection_packed(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w,
     const OptionalTensor& b) {
   const int64_t E = q.size(-1);
   TORCH_CHECK(
@@ -62,15 +58,8 @@ std::vector<Tensor> in_projection_packed(
   return split_projections(core::project(q, k, v, in_proj, core::sharing_of(q, k, v), /*batch_first=*/false));
 }
 
-std::vector<Tensor> in_projection(
-    const Tensor& q,
-    const Tensor& k,
-    const Tensor& v,
-    const Tensor& w_q,
-    const Tensor& w_k,
-    const Tensor& w_v,
-    const OptionalTensor& b_q,
-    const OptionalTensor& b_k,
+std::vector<Tensor> in_projection(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w_q,
+    const Tensor& w_k, const Tensor& w_v, const OptionalTensor& b_q, const OptionalTensor& b_k,
     const OptionalTensor& b_v) {
   core::InProjection in_proj{std::nullopt, std::nullopt, {w_q, w_k, w_v}, {b_q, b_k, b_v}};
   const int64_t Eq = q.size(-1);
@@ -78,24 +67,13 @@ std::vector<Tensor> in_projection(
   return split_projections(core::project(q, k, v, in_proj, core::Sharing::kSeparate, /*batch_first=*/false));
 }
 
-std::tuple<Tensor, Tensor> multi_head_attention_forward(
-    const Tensor& query,
-    const Tensor& key,
-    const Tensor& value,
-    int64_t embed_dim,
-    const AttentionParameters& params,
-    const AttentionOptions& options) {
+std::tuple<Tensor, Tensor> multi_head_attention_forward(const Tensor& query, const Tensor& key, const Tensor& value,
+    int64_t embed_dim, const AttentionParameters& params, const AttentionOptions& options) {
   return core::multi_head_attention({query, key, value, options}, core::attention_weights(params), embed_dim);
 }
 
-Tensor attention_with_cache(
-    const Tensor& query,
-    const Tensor& k_cache,
-    const Tensor& v_cache,
-    const Tensor& lengths,
-    const AttentionParameters& params,
-    const DecodingOptions& options,
-    const OptionalTensor& new_lengths) {
+Tensor attention_with_cache(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
+    const AttentionParameters& params, const DecodingOptions& options, const OptionalTensor& new_lengths) {
   return core::attention_with_cache(query, k_cache, v_cache, lengths, new_lengths, core::attention_weights(params),
                                     options);
 }
@@ -108,39 +86,24 @@ void reset_cache(const Tensor& lengths, const OptionalTensor& slots) {
   core::reset_cache(lengths, slots);
 }
 
-std::tuple<Tensor, Tensor> project_key_value(
-    const Tensor& key,
-    const OptionalTensor& value,
-    const AttentionParameters& params,
-    bool batch_first) {
+std::tuple<Tensor, Tensor> project_key_value(const Tensor& key, const OptionalTensor& value,
+    const AttentionParameters& params, bool batch_first) {
   const auto weights = core::attention_weights(params, /*out_proj_required=*/false);
   return core::project_key_value(key, core::is_present(value) ? *value : key, weights, batch_first);
 }
 
-Tensor attention_with_static_key_value(
-    const Tensor& query,
-    const Tensor& keys,
-    const Tensor& values,
-    const AttentionParameters& params,
-    const DecodingOptions& options) {
+Tensor attention_with_static_key_value(const Tensor& query, const Tensor& keys, const Tensor& values,
+    const AttentionParameters& params, const DecodingOptions& options) {
   return core::attention_with_static_key_value(query, keys, values, core::attention_weights(params), options);
 }
 
-Tensor cross_attention(
-    const Tensor& x,
-    const Tensor& keys,
-    const Tensor& values,
-    const AttentionParameters& params,
-    const OptionalTensor& mask,
-    bool training) {
+Tensor cross_attention(const Tensor& x, const Tensor& keys, const Tensor& values, const AttentionParameters& params,
+    const OptionalTensor& mask, bool training) {
   return core::cross_attention(x, keys, values, core::attention_weights(params), mask, training);
 }
 
-Tensor transformer_block(
-    const Tensor& x,
-    const FeedForwardParameters& feed_forward,
-    const AttentionParameters& attention,
-    const AttentionOptions& options) {
+Tensor transformer_block(const Tensor& x, const FeedForwardParameters& feed_forward,
+    const AttentionParameters& attention, const AttentionOptions& options) {
   AttentionOptions self_attention = options;
   self_attention.need_weights = false;
   self_attention.batch_first = true;
@@ -148,29 +111,17 @@ Tensor transformer_block(
   return core::transformer_block({x, x, x, self_attention}, core::attention_weights(attention), feed_forward);
 }
 
-Tensor decoder_step(
-    const Tensor& tgt,
-    const c10::List<OptionalTensor>& params,
-    const DecoderCache& cache,
-    int64_t num_heads,
-    const std::vector<std::string>& activations,
-    const c10::List<bool>& norm_first,
-    at::ArrayRef<double> eps,
-    std::optional<double> final_norm_eps,
-    bool batch_first,
-    bool training,
+Tensor decoder_step(const Tensor& tgt, const c10::List<OptionalTensor>& params, const DecoderCache& cache,
+    int64_t num_heads, const std::vector<std::string>& activations, const c10::List<bool>& norm_first,
+    at::ArrayRef<double> eps, std::optional<double> final_norm_eps, bool batch_first, bool training,
     const OptionalTensor& new_lengths) {
   const std::vector<bool> pre_norm(norm_first.begin(), norm_first.end());
   const auto stack = stack_of(params, num_heads, activations, pre_norm, eps, final_norm_eps, batch_first);
   return core::stack_step(tgt, stack, cache, new_lengths, training);
 }
 
-std::tuple<Tensor, Tensor, Tensor> decoder_memory(
-    const Tensor& memory,
-    const c10::List<OptionalTensor>& params,
-    int64_t num_heads,
-    bool batch_first,
-    const OptionalTensor& memory_key_padding_mask) {
+std::tuple<Tensor, Tensor, Tensor> decoder_memory(const Tensor& memory, const c10::List<OptionalTensor>& params,
+    int64_t num_heads, bool batch_first, const OptionalTensor& memory_key_padding_mask) {
   TORCHMHA_CHECK_ARG(memory.dim() == 3, "CachedDecoder: expected memory of shape ", batch_first ? "(N, S, E)" : "(S, N, E)",
                      ", but got ", memory.sizes());
   auto [keys, values] = core::project_stack_memory(memory, stack_of(params, num_heads, {}, {}, {}, {}, batch_first));
@@ -183,12 +134,8 @@ void decoder_reorder(const DecoderCache& cache, const Tensor& indices) {
   core::reorder_stack_state(cache, indices);
 }
 
-void decoder_reset(
-    const DecoderCache& cache,
-    const OptionalTensor& slots,
-    const OptionalTensor& new_keys,
-    const OptionalTensor& new_values,
-    const OptionalTensor& new_padding) {
+void decoder_reset(const DecoderCache& cache, const OptionalTensor& slots, const OptionalTensor& new_keys,
+    const OptionalTensor& new_values, const OptionalTensor& new_padding) {
   core::reset_stack_state(cache, slots, new_keys, new_values, new_padding);
 }
 

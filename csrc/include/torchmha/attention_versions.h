@@ -44,7 +44,7 @@ class TORCHMHA_API MultiheadAttentionV1Impl : public torch::nn::Cloneable<Multih
 };
 TORCH_MODULE(MultiheadAttentionV1);
 
-/// Options for MultiheadAttentionV2 (multi-head self-attention).
+/// Options for MultiheadAttentionV2 (multi-head self-attention) and MultiheadAttentionV4.
 struct MultiheadAttentionV2Options {
   MultiheadAttentionV2Options(int64_t embed_dim, int64_t num_heads)
       : embed_dim_(embed_dim), num_heads_(num_heads) {}
@@ -112,14 +112,8 @@ class TORCHMHA_API MultiheadAttentionV3Impl : public torch::nn::Cloneable<Multih
 };
 TORCH_MODULE(MultiheadAttentionV3);
 
-/// Options for MultiheadAttentionV4 (packed in-projection).
-struct MultiheadAttentionV4Options {
-  MultiheadAttentionV4Options(int64_t embed_dim, int64_t num_heads)
-      : embed_dim_(embed_dim), num_heads_(num_heads) {}
-  TORCH_ARG(int64_t, embed_dim);
-  TORCH_ARG(int64_t, num_heads);
-  TORCH_ARG(double, dropout) = 0.0;
-};
+/// v4 (packed in-projection) takes v2's options: embed_dim, num_heads, dropout.
+using MultiheadAttentionV4Options = MultiheadAttentionV2Options;
 
 /// v4: one packed in_proj = Linear(E, 3E) (rows q, k, v: exactly torch's in_proj_weight) and
 /// out_proj. Projects through in_projection_packed, so self-attention (query, key and value the
