@@ -1,8 +1,7 @@
-"""The examples and the README's code run as written: examples/generate.py with tiny sizes (same
-tokens with and without the cache, a plot written), and the README's Generation code block, so
-neither can drift from the API."""
+"""The examples run as written: examples/generate.py with tiny sizes (same tokens with and without
+the cache, a plot written), so it cannot drift from the API. The README's code blocks:
+test_docs_examples.py."""
 
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,16 +9,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def readme_python_block(heading: str) -> str:
-    """The first ```python block of the README's section `## heading`."""
-    readme = (ROOT / "README.md").read_text()
-    section = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", readme, re.MULTILINE | re.DOTALL)
-    assert section, f"README.md has no '## {heading}' section"
-    block = re.search(r"^```python\n(.*?)^```", section.group(1), re.MULTILINE | re.DOTALL)
-    assert block, f"README.md's '{heading}' section has no python code block"
-    return block.group(1)
 
 
 @pytest.mark.slow  # spawns a Python process (a few seconds, most of it importing torch)
@@ -34,8 +23,3 @@ def test_generate_example_runs_and_plots(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "same tokens both ways" in result.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_readme_generation_block_runs():
-    code = readme_python_block("Generation")
-    exec(compile(code, "README.md (Generation)", "exec"), {"__name__": "readme_generation"})
