@@ -76,6 +76,27 @@ def test_python_argument_runs_follow_the_schemas():
             assert default == parameter.default, (helper.__name__, name)
 
 
+def test_new_arguments_reject_bad_values_by_name():
+    """The arguments torch's functions do not have (head_dim) or had as required (out_proj_weight)."""
+    ops = torch.ops.torchmha
+    E, H = 8, 2
+    x = torch.randn(3, 1, E)
+    w, out = torch.randn(3 * E, E), torch.randn(E, E)
+    with pytest.raises(AssertionError, match="head_dim must be greater than 0, but got 0"):
+        ops.multi_head_attention_forward(x, x, x, E, *attention_parameters(H, 0, w, out_proj_weight=out))
+    with pytest.raises(RuntimeError, match=r"in_proj_weight must have shape \(3 \* embed_dim, embed_dim\) = \(6, 8\)"):
+        ops.multi_head_attention_forward(x, x, x, E, *attention_parameters(H, 1, w, out_proj_weight=out))
+    with pytest.raises(AssertionError, match="out_proj_weight is None"):
+        ops.multi_head_attention_forward(x, x, x, E, *attention_parameters(H, None, w))
+    cache = (torch.zeros(1, H, 4, E // H), torch.zeros(1, H, 4, E // H), torch.zeros(1, dtype=torch.long))
+    with pytest.raises(AssertionError, match="head_dim 2 times num_heads 2 is not the in-projection's width 8"):
+        ops.attention_with_cache(x[:1], *cache, *attention_parameters(H, 2, w, out_proj_weight=out))
+    # a head size that fits: the same numbers as without it
+    expected = ops.multi_head_attention_forward(x, x, x, E, *attention_parameters(H, None, w, out_proj_weight=out))
+    got = ops.multi_head_attention_forward(x, x, x, E, *attention_parameters(H, E // H, w, out_proj_weight=out))
+    assert_close(got[0], expected[0], torch.float32)
+
+
 def sample_inputs():
     E = 8
     q = torch.randn(3, 2, E, dtype=torch.float64, requires_grad=True)
