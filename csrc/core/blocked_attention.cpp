@@ -4,6 +4,7 @@
 
 #include "cpu_capability.h"
 #include "micro_gemm.h"
+#include "settings.h"
 #include "softmax_rows.h"
 
 #include <ATen/ATen.h>
@@ -297,20 +298,13 @@ std::tuple<Tensor, Tensor, Tensor> blocked_attention_backward_cpu(const Tensor& 
 // ------------------------------------------------------------------------------ dispatch rule
 
 bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, bool with_grad) {
-  static const int from_env = [] {
-    const char* value = std::getenv("TORCHMHA_BLOCKED_KERNEL");
-    if (value == nullptr) {
-      return -1;
-    }
-    const std::string text(value);
-    TORCH_CHECK_VALUE(text == "0" || text == "1", "TORCHMHA_BLOCKED_KERNEL must be 0 or 1, but is '", text, "'");
-    return text == "1" ? 1 : 0;
-  }();
-  if (from_env >= 0) {
-    return from_env == 1;
+  static const std::optional<bool> forced = settings::read_switch("TORCHMHA_BLOCKED_KERNEL");
+  if (forced.has_value()) {
+    return *forced;
   }
-  // Measured against SDPA on an AVX-512 CPU without AMX (benchmarks/README, issue 14), time ratios
-  // at head size 64: below 128^2 scores a head SDPA's fixed costs are lower (1.2-1.9x).
+  // Measured against SDPA at head size 64 (benchmarks/README; time ratios, medians of alternated
+  // rounds). On an Intel Xeon with AVX-512, without AMX (issue 14): below 128^2 scores a head
+  // SDPA's fixed costs are lower (1.2-1.9x).
   //  - bfloat16: computed in float32 here, SDPA's bfloat16 GEMMs were slower: 0.7-0.9 forward,
   //    0.2-0.7 forward+backward. float16: forward 0.9-1.2 (SDPA kept: this CPU has AVX512-FP16),
   //    forward+backward 0.1-0.9 from 16^2. Not where AMX serves SDPA (not measured).
@@ -318,6 +312,10 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
   //  - float32 otherwise: forward 0.81-0.99 at 128^2 (four runs), 0.94-1.04 at 256^2, 0.93-1.14 at
   //    512^2, 1.0-1.2 beyond (SDPA kept there); forward+backward 0.63-0.97 up to 512^2 (the backward
   //    recomputes from the log-sum-exp), 1.07-1.22 at 2048^2.
+  // On an AMD EPYC (avx512f, avx512_bf16, no AMX; issue 26), float32 at 1024^2, 2048^2, 4096^2 (5
+  // rounds each): forward 0.99, 0.95, 1.01; forward+backward 0.91, 0.97, 0.93; causal forward 0.73,
+  // 0.84, 0.86, causal forward+backward 0.73, 0.77, 0.92. Both there run at 0.9 of torch.mm's rate
+  // or more, against a softmax cap of about 0.86 (benchmarks/run.py, efficiency): the forward ties.
   const int64_t scores = q.size(2) * k.size(2);
   const auto dtype = q.scalar_type();
   if (dtype == at::kBFloat16 || dtype == at::kHalf) {
@@ -325,6 +323,9 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
   }
   if (is_causal) {
     return scores >= 128 * 128;
+  }
+  if (cpu_is_amd()) {
+    return with_grad ? scores >= 64 * 64 : scores >= 128 * 128;
   }
   return with_grad ? scores >= 64 * 64 && scores <= 512 * 512 : scores >= 128 * 128 && scores <= 256 * 256;
 }

@@ -4,6 +4,7 @@
 
 #include "cpu_capability.h"
 #include "decode_kernel.h"
+#include "settings.h"
 
 #include <ATen/ATen.h>  // the ops and the tensor operators (<, &, +) on index tensors
 #include <ATen/Dispatch.h>
@@ -221,10 +222,8 @@ void decode_attention_kernel(const Tensor& q, const Tensor& k_new, const Tensor&
 // 0.43-0.85x at prefix 1000, 0.23-0.49x at batch 8 prefix 200, 0.27-0.40x for a whole prefill of
 // 256-1024 rows. TORCHMHA_DECODE_KERNEL_MAX_ROWS sets a limit (0: never the kernel).
 int64_t kernel_max_rows() {
-  static const int64_t rows = [] {
-    const char* value = std::getenv("TORCHMHA_DECODE_KERNEL_MAX_ROWS");
-    return value != nullptr ? std::atoll(value) : std::numeric_limits<int64_t>::max();
-  }();
+  static const int64_t rows = settings::read_count("TORCHMHA_DECODE_KERNEL_MAX_ROWS", "new rows a step")
+                                  .value_or(std::numeric_limits<int64_t>::max());
   return rows;
 }
 

@@ -4,6 +4,7 @@
 
 #include "cpu_capability.h"
 #include "micro_gemm.h"
+#include "settings.h"
 #include "softmax_rows.h"
 
 #include <ATen/ATen.h>
@@ -313,18 +314,8 @@ bool explicit_kernel_pays_off(int64_t L, int64_t S) {
   // the kernels beat or tie the composition at every size, float (eval: 0.62-0.72 of torch against
   // 0.81-0.97 at 16^2-256^2 scores a head) and double (the kernels over the composition, medians of
   // 3 alternated runs: 0.86 at 16^2, 0.92 at 128^2, 0.65 at 362^2). So no threshold unless set.
-  static const int64_t from_env = [] {
-    const char* value = std::getenv("TORCHMHA_MIN_KERNEL_SCORES");
-    if (value == nullptr) {
-      return int64_t(-1);
-    }
-    char* end = nullptr;
-    const long long parsed = std::strtoll(value, &end, 10);
-    TORCH_CHECK_VALUE(end != value && *end == '\0' && parsed >= 0,
-                      "TORCHMHA_MIN_KERNEL_SCORES must be a non-negative integer (scores a head), but is '", value, "'");
-    return static_cast<int64_t>(parsed);
-  }();
-  return L * S >= std::max<int64_t>(from_env, 0);
+  static const int64_t least = settings::read_count("TORCHMHA_MIN_KERNEL_SCORES", "scores a head").value_or(0);
+  return L * S >= least;
 }
 
 std::pair<Tensor, Tensor> attention_with_weights_differentiable(const Tensor& q, const Tensor& k, const Tensor& v,

@@ -4,6 +4,7 @@
 
 #include "attend.h"
 #include "explicit_attention.h"
+#include "settings.h"
 
 #include <ATen/autocast_mode.h>
 
@@ -143,16 +144,19 @@ bool sdpa_beats_fast_path(const ForwardCall& call) {
   // Without weights and masks our SDPA path gives torch's numbers (no fully masked rows can
   // differ) and is faster than the fused kernel, which does not use flash attention on CPU.
   // (Nested tensors stay with the fused kernel, which takes them, and so does is_causal, which
-  // torch's fused path ignores.)
-  return !call.need_weights && !is_present(call.key_padding_mask) && !is_present(call.attn_mask) &&
+  // torch's fused path ignores.) TORCHMHA_FAST_PATH_SDPA=0 keeps the fused kernel.
+  static const bool allowed = settings::read_switch("TORCHMHA_FAST_PATH_SDPA").value_or(true);
+  return allowed && !call.need_weights && !is_present(call.key_padding_mask) && !is_present(call.attn_mask) &&
       !call.query.is_nested() && !call.is_causal;
 }
 
 bool weights_kernel_beats_fast_path(const ForwardCall& call, int64_t embed_dim, int64_t num_heads) {
   // (benchmarks/run.py, case fast_path: the fused kernel materializes and masks the per-head
   // weights, and its masked softmax is slower than its own slow path on CPU.)
+  // TORCHMHA_FAST_PATH_WEIGHTS_KERNEL: 0 keeps the fused kernel, 1 takes ours at every size.
+  static const std::optional<bool> forced = settings::read_switch("TORCHMHA_FAST_PATH_WEIGHTS_KERNEL");
   const Tensor& query = call.query;
-  if (!call.need_weights || query.is_nested() || !explicit_kernel_serves(query.device(), query.scalar_type())) {
+  if ((forced.has_value() && !*forced) || !call.need_weights || query.is_nested() || !explicit_kernel_serves(query.device(), query.scalar_type())) {
     return false;
   }
   // Well-formed: (N, L, E) self-attention with masks in the shapes merge_masks expects, not
@@ -161,7 +165,7 @@ bool weights_kernel_beats_fast_path(const ForwardCall& call, int64_t embed_dim, 
   const auto& padding = call.key_padding_mask;
   const auto& mask = call.attn_mask;
   return N > 0 && L > 0 && query.size(2) == embed_dim && !call.is_causal &&
-      explicit_kernel_pays_off(L, L) &&
+      (forced.value_or(false) || explicit_kernel_pays_off(L, L)) &&
       (!is_present(padding) || padding->sizes() == at::IntArrayRef{N, L}) &&
       (!is_present(mask) || mask->sizes() == at::IntArrayRef{L, L} ||
        mask->sizes() == at::IntArrayRef{N * num_heads, L, L});

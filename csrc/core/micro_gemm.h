@@ -5,6 +5,7 @@
 // mask. Rows are contiguous (unit stride along the last dimension); the row strides are free.
 
 #include "common.h"
+#include "settings.h"
 
 #include <ATen/ATen.h>
 #include <ATen/native/CPUBlas.h>
@@ -32,13 +33,20 @@ void matmul_aten(int64_t M, int64_t N, int64_t K, const scalar_t* A, int64_t lda
   accumulate ? at::addmm_out(c, c, a, b) : at::mm_out(c, a, b);
 }
 
+/// The most multiply-adds a float `matmul` gives brgemm: 2^20, or TORCHMHA_BRGEMM_MAX_MACS (0: never).
+inline int64_t brgemm_max_macs() {
+  static const int64_t most =
+      settings::read_count("TORCHMHA_BRGEMM_MAX_MACS", "multiply-adds a product").value_or(int64_t(1) << 20);
+  return most;
+}
+
 /// The same. float, small products: the CPU BLAS's batch-reduce GEMM on raw pointers (oneDNN's
 /// micro-kernel where ATen has it, else its GEMM), about 0.3 us a call against 1.1-1.5 us for
 /// mm_out at 16 x 16 x 64, equal at 128 x 128 x 64. Larger ones stay with mm_out: brgemm does not
 /// pack B, and over a strided V of 2048 keys it measured 1.75x slower (560 against 320 us).
 inline void matmul(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
                    int64_t ldc, bool accumulate = false) {
-  if (M * N * K <= (int64_t(1) << 20)) {
+  if (M * N * K <= brgemm_max_macs()) {
     at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, /*is_vnni=*/false);
   } else {
     matmul_aten(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
@@ -48,7 +56,7 @@ inline void matmul(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
 
 // The Fortran BLAS GEMMs that torch's CPU BLAS wraps (at::native::cpublas::gemm, which libtorch
 // does not export); libtorch_cpu exports its MKL's. Weak: where a symbol is absent the products
-// below take ATen's addmm_out on transposed views instead.
+// below take ATen's addmm_out on transposed views instead, and so they do with TORCHMHA_BLAS_GEMM=0.
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                        const float* beta, float* c, const int* ldc) __attribute__((weak));
@@ -72,8 +80,9 @@ void gemm(bool transpose_a, bool transpose_b, int64_t M, int64_t N, int64_t K, s
     }
   }();
   // The Fortran interface takes int sizes: anything larger goes to ATen.
+  static const bool blas_allowed = settings::read_switch("TORCHMHA_BLAS_GEMM").value_or(true);
   const int64_t largest = std::max({M, N, K, lda, ldb, ldc});
-  if (blas != nullptr && largest <= std::numeric_limits<int>::max()) {
+  if (blas_allowed && blas != nullptr && largest <= std::numeric_limits<int>::max()) {
     const char ta = transpose_a ? 'T' : 'N', tb = transpose_b ? 'T' : 'N';
     const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
     const int ld_a = static_cast<int>(lda), ld_b = static_cast<int>(ldb), ld_c = static_cast<int>(ldc);

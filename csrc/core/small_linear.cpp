@@ -4,6 +4,7 @@
 
 #include "cpu_capability.h"
 #include "linear_kernel.h"
+#include "settings.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -11,17 +12,13 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 namespace torchmha::core {
 namespace {
 
 bool enabled() {
-  static const bool on = [] {
-    const char* value = std::getenv("TORCHMHA_SMALL_LINEAR");
-    return value == nullptr || std::strcmp(value, "0") != 0;
-  }();
+  static const bool on = settings::read_switch("TORCHMHA_SMALL_LINEAR").value_or(true);
   return on;
 }
 

@@ -1,0 +1,192 @@
+"""The TORCHMHA_* settings (csrc/core/settings.cpp, docs/kernel_rules.md): each malformed value is
+a ValueError naming the setting, and each setting forces the choice it is documented to force.
+Settings are read once per process, so every check runs in a fresh interpreter."""
+
+import pytest
+import torch
+
+from helpers import run_python_with
+
+needs_avx512 = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                                  reason="needs ATen's AVX-512 capability")
+
+# A call that consults each setting's rule (the suite's TORCHMHA_BLOCKED_KERNEL=1 is unset below,
+# or the blocked rule, and the AMX and vendor answers it reads, would never be consulted).
+TRIGGERS = {
+    "TORCHMHA_BLOCKED_KERNEL": "m = torchmha.MultiheadAttention(8, 1); x = torch.randn(4, 1, 8); "
+                               "m(x, x, x, need_weights=False)",
+    "TORCHMHA_MIN_KERNEL_SCORES": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
+    "TORCHMHA_DECODE_KERNEL_MAX_ROWS": "q = torch.randn(1, 1, 1, 8); c = torch.zeros(1, 1, 4, 8); "
+                                       "torch.ops.torchmha.decode_attention(q, q, q, c, c.clone(), "
+                                       "torch.tensor([0]), None, None, 0.0)",
+    "TORCHMHA_SMALL_LINEAR": "torch.ops.torchmha.small_linear(torch.randn(1, 8), torch.randn(4, 8), None)",
+    "TORCHMHA_CPU_CAPABILITY": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
+    "TORCHMHA_AMX": "x = torch.randn(1, 1, 256, 8, dtype=torch.bfloat16); "
+                    "torchmha.MultiheadAttention(8, 1, dtype=torch.bfloat16)(x[0], x[0], x[0], need_weights=False)",
+    "TORCHMHA_CPU_VENDOR": "m = torchmha.MultiheadAttention(8, 1); x = torch.randn(256, 1, 8); "
+                           "m(x, x, x, need_weights=False)",
+    "TORCHMHA_FAST_PATH_SDPA": "m = torchmha.MultiheadAttention(8, 2, batch_first=True).eval(); "
+                               "x = torch.randn(1, 4, 8)\nwith torch.no_grad(): m(x, x, x, need_weights=False)",
+    "TORCHMHA_FAST_PATH_WEIGHTS_KERNEL": "m = torchmha.MultiheadAttention(8, 2, batch_first=True).eval(); "
+                                         "x = torch.randn(1, 4, 8)\nwith torch.no_grad(): m(x, x, x)",
+    "TORCHMHA_BRGEMM_MAX_MACS": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
+    "TORCHMHA_BLAS_GEMM": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
+}
+
+SWITCH = "must be 0 or 1"
+COUNT = "must be a non-negative integer"
+MALFORMED = [
+    ("TORCHMHA_BLOCKED_KERNEL", "yes", SWITCH),
+    ("TORCHMHA_MIN_KERNEL_SCORES", "2e5", COUNT + " (scores a head)"),
+    ("TORCHMHA_DECODE_KERNEL_MAX_ROWS", "many", COUNT + " (new rows a step)"),
+    ("TORCHMHA_DECODE_KERNEL_MAX_ROWS", "-1", COUNT),
+    ("TORCHMHA_SMALL_LINEAR", "off", SWITCH),
+    ("TORCHMHA_CPU_CAPABILITY", "avx512f", "must be one of avx512, avx2, default"),
+    ("TORCHMHA_AMX", "true", SWITCH),
+    ("TORCHMHA_CPU_VENDOR", "zen", "must be one of amd, intel"),
+    ("TORCHMHA_FAST_PATH_SDPA", "2", SWITCH),
+    ("TORCHMHA_FAST_PATH_WEIGHTS_KERNEL", "no", SWITCH),
+    ("TORCHMHA_BRGEMM_MAX_MACS", "1M", COUNT + " (multiply-adds a product)"),
+    ("TORCHMHA_BLAS_GEMM", "mkl", SWITCH),
+]
+
+
+def test_every_setting_has_a_malformed_case():
+    assert {name for name, _, _ in MALFORMED} == set(TRIGGERS)
+
+
+@pytest.mark.parametrize("name,value,message", MALFORMED, ids=[f"{n}={v}" for n, v, _ in MALFORMED])
+def test_a_malformed_setting_is_a_value_error_naming_it(name, value, message):
+    code = f"""
+import torch, torchmha
+try:
+    {TRIGGERS[name].replace(chr(10), chr(10) + '    ')}
+except ValueError as error:
+    assert {name!r} in str(error) and {message!r} in str(error) and "'{value}'" in str(error), error
+else:
+    raise SystemExit("no error")
+"""
+    run_python_with(code, set_env={name: value}, unset=("TORCHMHA_BLOCKED_KERNEL",) if name != "TORCHMHA_BLOCKED_KERNEL"
+                    else ())
+
+
+def test_an_empty_setting_is_no_setting():
+    code = f"import torch, torchmha\n{TRIGGERS['TORCHMHA_MIN_KERNEL_SCORES']}"
+    run_python_with(code, set_env={"TORCHMHA_MIN_KERNEL_SCORES": ""})
+
+
+# --------------------------------------------------------------------- what each setting forces
+PROFILED = """
+import torch, torchmha
+def ops(fn):
+    with torch.profiler.profile() as prof:
+        out = fn()
+    return [e.name for e in prof.events()], out
+"""
+
+
+@needs_avx512
+def test_cpu_capability_lowers_only_torchmha_and_default_turns_its_kernels_off():
+    code = PROFILED + """
+m = torchmha.MultiheadAttention(8, 1).eval()
+x = torch.randn(4, 1, 8)
+names, out = ops(lambda: m(x, x, x))
+assert ("torchmha::attention_with_weights" in names) == KERNEL, names
+assert torch.backends.cpu.get_cpu_capability() == "AVX512"  # ATen's own is untouched
+"""
+    run_python_with(code.replace("KERNEL", "True"), set_env={"TORCHMHA_CPU_CAPABILITY": "avx2"})
+    run_python_with(code.replace("KERNEL", "False"), set_env={"TORCHMHA_CPU_CAPABILITY": "default"})
+
+
+def test_cpu_capability_cannot_rise_above_atens():
+    code = """
+import torch, torchmha
+m = torchmha.MultiheadAttention(8, 1).eval()
+x = torch.randn(4, 1, 8)
+try:
+    m(x, x, x)
+except ValueError as error:
+    assert "TORCHMHA_CPU_CAPABILITY=avx2 is above ATen's capability" in str(error), error
+else:
+    raise SystemExit("no error")
+"""
+    run_python_with(code, set_env={"TORCHMHA_CPU_CAPABILITY": "avx2", "ATEN_CPU_CAPABILITY": "default"})
+
+
+BLOCKED_TAKEN = PROFILED + """
+def blocked(dtype, L, train=False):
+    m = torchmha.MultiheadAttention(64, 1, batch_first=True, dtype=dtype).train(train)
+    x = torch.randn(1, L, 64, dtype=dtype, requires_grad=train)
+    with torch.set_grad_enabled(train):
+        names, _ = ops(lambda: m(x, x, x, need_weights=False))
+    return "torchmha::blocked_attention" in names
+"""
+
+
+@needs_avx512
+def test_amx_setting_moves_the_reduced_precision_rule():
+    """With AMX, bfloat16 keeps SDPA (its GEMMs would run on the tiles); without, the kernel runs
+    from 128^2 scores a head."""
+    code = BLOCKED_TAKEN + "assert blocked(torch.bfloat16, 256) == EXPECTED"
+    unset = ("TORCHMHA_BLOCKED_KERNEL",)
+    run_python_with(code.replace("EXPECTED", "False"), set_env={"TORCHMHA_AMX": "1"}, unset=unset)
+    run_python_with(code.replace("EXPECTED", "True"), set_env={"TORCHMHA_AMX": "0"}, unset=unset)
+
+
+@needs_avx512
+def test_vendor_setting_moves_the_float32_rule():
+    """float32 without a causal mask beyond 512^2 scores a head: the kernel on AMD, SDPA on Intel
+    (each measured on its CPU: blocked_attention.cpp)."""
+    code = BLOCKED_TAKEN + "assert blocked(torch.float32, 1024) == EXPECTED and blocked(torch.float32, 1024, True) == EXPECTED"
+    unset = ("TORCHMHA_BLOCKED_KERNEL",)
+    run_python_with(code.replace("EXPECTED", "True"), set_env={"TORCHMHA_CPU_VENDOR": "amd"}, unset=unset)
+    run_python_with(code.replace("EXPECTED", "False"), set_env={"TORCHMHA_CPU_VENDOR": "intel"}, unset=unset)
+
+
+FUSED = PROFILED + """
+m = torchmha.MultiheadAttention(16, 2, batch_first=True).eval()
+x = torch.randn(2, 5, 16)
+with torch.no_grad():
+    names, _ = ops(lambda: m(x, x, x, need_weights=WEIGHTS))
+assert ("aten::_native_multi_head_attention" in names) == FUSED, names
+"""
+
+
+def fused(weights: bool, expected: bool) -> str:
+    return FUSED.replace("WEIGHTS", str(weights)).replace("FUSED", str(expected))
+
+
+def test_fast_path_sdpa_setting_keeps_the_fused_kernel():
+    run_python_with(fused(False, False), unset=("TORCHMHA_FAST_PATH_SDPA",))
+    run_python_with(fused(False, True), set_env={"TORCHMHA_FAST_PATH_SDPA": "0"})
+
+
+@needs_avx512
+def test_fast_path_weights_kernel_setting_forces_either_side():
+    """0 keeps the fused kernel; 1 takes ours even where TORCHMHA_MIN_KERNEL_SCORES says the size
+    is too small for it."""
+    run_python_with(fused(True, False), unset=("TORCHMHA_FAST_PATH_WEIGHTS_KERNEL",))
+    run_python_with(fused(True, True), set_env={"TORCHMHA_FAST_PATH_WEIGHTS_KERNEL": "0"})
+    run_python_with(fused(True, True), set_env={"TORCHMHA_MIN_KERNEL_SCORES": "1000000"})
+    run_python_with(fused(True, False), set_env={"TORCHMHA_MIN_KERNEL_SCORES": "1000000",
+                                                 "TORCHMHA_FAST_PATH_WEIGHTS_KERNEL": "1"})
+
+
+MICRO_GEMMS = PROFILED + """
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 2, 96, 64) for _ in range(3))
+names, (heads, _) = ops(lambda: torch.ops.torchmha.blocked_attention(q, k, v, None, False))
+reference = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+torch.testing.assert_close(heads, reference)
+inside = [n for n in names if n.startswith("aten::") and n.endswith("mm")]
+assert bool(inside) == ATEN, inside
+"""
+
+
+@needs_avx512
+@pytest.mark.parametrize("env,aten", [({}, False), ({"TORCHMHA_BRGEMM_MAX_MACS": "0"}, True),
+                                      ({"TORCHMHA_BLAS_GEMM": "0"}, True)], ids=["default", "no brgemm", "no blas"])
+def test_micro_gemm_settings_move_products_to_aten(env, aten):
+    """By default the blocked kernel's products are brgemm and the BLAS GEMM on raw pointers (no ATen
+    op); each setting sends its share to ATen's mm/addmm, with the same numbers."""
+    run_python_with(MICRO_GEMMS.replace("ATEN", str(aten)), set_env=env)
