@@ -431,17 +431,24 @@ def small_default(settings: Settings) -> list[Row]:
     return rows
 
 
+FAST_PATH_MARGIN = 0.05  # without weights, the target is the measured floor plus this (issue 26)
+
+
 @case
 def fast_path(settings: Settings) -> list[Row]:
-    """torch's fused inference path: eval, no_grad, batch_first, self-attention."""
+    """torch's fused inference path: eval, no_grad, batch_first, self-attention. With weights the
+    target is 0.8 of torch; without, torch's fused kernel is already near the floor (the
+    projections' GEMMs plus the attention's least cost), so the target is that floor + 0.05,
+    measured in the same run and printed in the floor column."""
     N, L, E, H = 8, 128, 512, 8
     rows = []
     for need_weights in (True, False):
         peers = inference_peers(N, L, E, H, device=settings.device, need_weights=need_weights, with_floor=True)
         setting = f"eval no_grad, N={N} L={L} E={E} H={H}, need_weights={need_weights}"
-        row = ratio_row("fast_path", setting, measure(peers, settings), 0.8 if need_weights else 0.9)
+        row = ratio_row("fast_path", setting, measure(peers, settings), 0.8)
         if not need_weights:  # the floor's GEMMs leave the attention out: add its least cost
             attention_floor(row, N, L, E, H, settings)
+            row.target = Target("ours/torch", "<=", round(row.limit + FAST_PATH_MARGIN, 3))
         rows.append(row)
     return rows
 
@@ -586,6 +593,8 @@ def efficiency(settings: Settings) -> list[Row]:
 BLOCKED_KERNEL_SETTINGS = (
     (torch.float32, 8, 8, 128, False, False), (torch.float32, 2, 8, 512, True, False),
     (torch.float32, 8, 8, 256, False, True), (torch.float32, 1, 8, 2048, False, True),
+    (torch.float32, 1, 8, 1024, False, False), (torch.float32, 1, 8, 4096, False, False),
+    (torch.float32, 1, 8, 4096, True, False), (torch.float32, 1, 8, 2048, True, True),
     (torch.bfloat16, 8, 8, 16, False, False), (torch.bfloat16, 1, 8, 1024, False, False),
     (torch.bfloat16, 2, 8, 512, True, True), (torch.float16, 2, 8, 512, False, False),
     (torch.float16, 8, 8, 128, False, True),
@@ -624,10 +633,29 @@ def blocked_kernel_peers(dtype: torch.dtype, N: int, H: int, L: int, causal: boo
     return {"ours": ours, "torch": sdpa}
 
 
+def blocked_rate_note(ms: float, N: int, H: int, L: int, causal: bool, train: bool, mm_rate: float,
+                      softmax_ns: float) -> str:
+    """Ours against the machine (float32 from L = 1024, issue 26 item 2): GFLOP/s of the attention's
+    products (2 a forward, 7 with the backward, at 2 L^2 D each; half of that causal), their share
+    of torch.mm's rate, and for a forward the softmax's cap: the share of that rate left once every
+    score has been through a softmax at the measured cost (ours applies it once a score)."""
+    pairs = N * H * L * L / (2 if causal else 1)
+    flops = 2 * 64 * pairs * (7 if train else 2)
+    gflops = flops / 1e9 / (ms / 1e3)
+    note = f"{gflops:.0f} GFLOP/s = {gflops / mm_rate:.2f} of torch.mm's {mm_rate:.0f}"
+    if not train:
+        gemm_s = flops / 1e9 / mm_rate
+        note += f", softmax cap {gemm_s / (gemm_s + pairs * softmax_ns * 1e-9):.2f}"
+    return note
+
+
 @case
 def blocked_kernel(settings: Settings) -> list[Row]:
     """torchmha's blocked kernel (attention without weights, issue 14 item 2) against SDPA on the
-    same heads: where the core takes it, it must be no slower; elsewhere the row shows why SDPA stays."""
+    same heads: where the core takes it, it must be no slower; elsewhere the row shows why SDPA stays
+    (the rule keys on the CPU's vendor for float32: docs/kernel_rules.md). float32 rows from
+    L = 1024 also give the rate against torch.mm's and the softmax's cap (issue 26 item 2)."""
+    mm_rate, softmax_ns = mm_gflops(torch.float32, settings), softmax_ns_per_score(settings)
     rows = []
     for dtype, N, H, L, causal, train in BLOCKED_KERNEL_SETTINGS:
         taken = takes_blocked_kernel(dtype, N, H, L, causal, train, settings.device)
@@ -635,8 +663,10 @@ def blocked_kernel(settings: Settings) -> list[Row]:
         name = str(dtype).removeprefix("torch.")
         setting = (f"{name} {'forward+backward' if train else 'forward'}{', causal' if causal else ''}, "
                    f"(N, H, L, D)=({N}, {H}, {L}, 64); torch = SDPA")
-        row = ratio_row("blocked_kernel", setting, measured, 1.0,
-                        notes="the core takes it" if taken else "the core keeps SDPA")
+        notes = "the core takes it" if taken else "the core keeps SDPA"
+        if dtype == torch.float32 and L >= 1024:
+            notes += "; " + blocked_rate_note(measured.times_ms["ours"], N, H, L, causal, train, mm_rate, softmax_ns)
+        row = ratio_row("blocked_kernel", setting, measured, 1.0, notes=notes)
         if not taken:
             row.target, row.value = None, None
         rows.append(row)

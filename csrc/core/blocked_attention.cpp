@@ -111,6 +111,23 @@ int64_t keys_read(int64_t l0, int64_t rows, int64_t S, bool is_causal) {
   return is_causal ? std::min(S, l0 + rows) : S;
 }
 
+// Each head's rows transposed, (N, H, D, len) contiguous, so that the products against K^T (and
+// V^T in the backward) are brgemm calls on plain row-major blocks. brgemm takes no transposed
+// operand, and the BLAS GEMM that reads K transposed in place repacks both operands on every call:
+// with the copy (one per head, not per block) the forward measured 0.81-0.93x SDPA's time at
+// 1024^2-4096^2 scores a head, against 0.95-0.99 without (AMD EPYC, 2 threads, 5 rounds each).
+Tensor heads_transposed(const Tensor& t) {
+  return t.transpose(2, 3).contiguous();
+}
+
+// Rows of a (N, H, D, len) transposed head: column s of head (n, h), row stride len.
+struct TransposedRows {
+  const float* data;
+  int64_t D, len;
+  explicit TransposedRows(const Tensor& t) : data(t.const_data_ptr<float>()), D(t.size(2)), len(t.size(3)) {}
+  const float* operator()(int64_t n_h, int64_t s) const { return data + n_h * D * len + s; }
+};
+
 void online_softmax_rows(const kernel::OnlineSoftmaxRows& step) {
   cpu_capability() == Capability::kAvx512 ? kernel::avx512::online_softmax_rows(step)
                                           : kernel::avx2::online_softmax_rows(step);
@@ -122,15 +139,17 @@ void softmax_backward_rows(const kernel::SoftmaxBackwardRows& step) {
 }
 
 // Float32 inputs. Per (sequence, head, block of query rows), over the blocks of keys: the block's
-// scores (one micro-GEMM against K^T), the running softmax, the accumulated P V (another); then
-// the rows divided by their sums.
+// scores (one micro-GEMM of the scaled queries against K^T), the running softmax, the accumulated
+// P V (another); then the rows divided by their sums.
 void blocked_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
                               bool is_causal, const Tensor& heads_lnhd, const Tensor& lse) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
   const int64_t block = std::min(kQueryRows, L), key_block = keys_per_block(block, D, S);
   const int64_t blocks_per_head = (L + block - 1) / block;
-  const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  const HeadRows<float> q_rows(q), k_rows(k), v_rows(v);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const Tensor q_scaled = q.mul(scale), k_t = heads_transposed(k);
+  const HeadRows<float> q_rows(q_scaled), v_rows(v);
+  const TransposedRows k_cols(k_t);
   float* heads_data = heads_lnhd.data_ptr<float>();
   float* lse_data = lse.data_ptr<float>();
 
@@ -147,9 +166,7 @@ void blocked_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v,
       const int64_t keys = keys_read(l0, rows, S, is_causal);
       for (int64_t s0 = 0; s0 < keys; s0 += key_block) {
         const int64_t cols = std::min(key_block, keys - s0);
-        // The scale rides on the GEMM; K is read transposed in place (a copy of K^T cost 15% at L = 128).
-        gemm(false, true, rows, cols, D, scale, q_rows(n, h, l0), q_rows.ld, k_rows(n, h, s0), k_rows.ld, 0.f,
-             scores.data(), key_block);
+        matmul(rows, cols, D, q_rows(n, h, l0), q_rows.ld, k_cols(n * H + h, s0), S, scores.data(), key_block);
         online_softmax_rows({scores.data(), key_block, 1.f, mask_row == nullptr ? nullptr : mask_row + s0, mask_ld,
                              is_causal, l0 - s0, max.data(), sum.data(), acc.data(), D, D, rows, cols});
         matmul(rows, D, cols, scores.data(), key_block, v_rows(n, h, s0), v_rows.ld, acc.data(), D,
@@ -177,8 +194,10 @@ void blocked_attention_backward_kernel(const Tensor& grad_heads, const Tensor& q
                                        const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
   const int64_t block = std::min(kQueryRows, L), key_block = keys_per_block(block, D, S);
-  const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  const HeadRows<float> q_rows(q), k_rows(k), v_rows(v), o_rows(heads), do_rows(grad_heads);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const Tensor q_scaled = q.mul(scale), k_t = heads_transposed(k), v_t = heads_transposed(v);
+  const HeadRows<float> q_rows(q), qs_rows(q_scaled), k_rows(k), o_rows(heads), do_rows(grad_heads);
+  const TransposedRows k_cols(k_t), v_cols(v_t);
   const float* lse_data = lse.const_data_ptr<float>();
   float *dq_data = dq.data_ptr<float>(), *dk_data = dk.data_ptr<float>(), *dv_data = dv.data_ptr<float>();
 
@@ -202,12 +221,10 @@ void blocked_attention_backward_kernel(const Tensor& grad_heads, const Tensor& q
         const int64_t keys = keys_read(l0, rows, S, is_causal);
         for (int64_t s0 = 0; s0 < keys; s0 += key_block) {
           const int64_t cols = std::min(key_block, keys - s0);
-          gemm(false, true, rows, cols, D, scale, q_rows(n, h, l0), q_rows.ld, k_rows(n, h, s0), k_rows.ld, 0.f,
-               p.data(), key_block);
-          gemm(false, true, rows, cols, D, 1.f, do_rows(n, h, l0), do_rows.ld, v_rows(n, h, s0), v_rows.ld, 0.f,
-               dp.data(), key_block);
+          matmul(rows, cols, D, qs_rows(n, h, l0), qs_rows.ld, k_cols(pair, s0), S, p.data(), key_block);
+          matmul(rows, cols, D, do_rows(n, h, l0), do_rows.ld, v_cols(pair, s0), S, dp.data(), key_block);
           softmax_backward_rows({p.data(), dp.data(), key_block, mask_row == nullptr ? nullptr : mask_row + s0, mask_ld,
-                                 is_causal, l0 - s0, row_lse, delta.data(), scale, rows, cols});
+                                 is_causal, l0 - s0, row_lse, delta.data(), static_cast<float>(scale), rows, cols});
           matmul(rows, D, cols, dp.data(), key_block, k_rows(n, h, s0), k_rows.ld, dq_nh + l0 * D, D, true);
           gemm(true, false, cols, D, rows, 1.f, dp.data(), key_block, q_rows(n, h, l0), q_rows.ld, 1.f, dk_nh + s0 * D,
                D);
@@ -312,10 +329,12 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
   //  - float32 otherwise: forward 0.81-0.99 at 128^2 (four runs), 0.94-1.04 at 256^2, 0.93-1.14 at
   //    512^2, 1.0-1.2 beyond (SDPA kept there); forward+backward 0.63-0.97 up to 512^2 (the backward
   //    recomputes from the log-sum-exp), 1.07-1.22 at 2048^2.
-  // On an AMD EPYC (avx512f, avx512_bf16, no AMX; issue 26), float32 at 1024^2, 2048^2, 4096^2 (5
-  // rounds each): forward 0.99, 0.95, 1.01; forward+backward 0.91, 0.97, 0.93; causal forward 0.73,
-  // 0.84, 0.86, causal forward+backward 0.73, 0.77, 0.92. Both there run at 0.9 of torch.mm's rate
-  // or more, against a softmax cap of about 0.86 (benchmarks/run.py, efficiency): the forward ties.
+  // On an AMD EPYC (avx512f, avx512_bf16, no AMX; issue 26, 2026-12-02), float32 with K^T copied
+  // per head, at 1024^2, 2048^2, 4096^2 (medians of 5 alternated rounds): forward 0.96, 0.81,
+  // 0.85; forward+backward 0.81, 0.77, 0.81; causal forward 0.70, 0.77, 0.79; causal
+  // forward+backward 0.62, 0.69, 0.76 (before the copy: 0.95-1.01 forward, 0.91-0.97 with the
+  // backward). The kernel runs there at 125-158 GFLOP/s, about torch.mm's rate. The Intel sizes
+  // were measured before the copy and are kept until measured again.
   const int64_t scores = q.size(2) * k.size(2);
   const auto dtype = q.scalar_type();
   if (dtype == at::kBFloat16 || dtype == at::kHalf) {
