@@ -174,10 +174,15 @@ def test_fast_path_weights_kernel_setting_forces_either_side():
 
 MICRO_GEMMS = PROFILED + """
 torch.manual_seed(0)
-q, k, v = (torch.randn(1, 2, 96, 64) for _ in range(3))
-names, (heads, _) = ops(lambda: torch.ops.torchmha.blocked_attention(q, k, v, None, False))
-reference = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+q, k, v, grad = (torch.randn(1, 2, 96, 64) for _ in range(4))
+def forward_and_backward():
+    heads, lse = torch.ops.torchmha.blocked_attention(q, k, v, None, False)
+    return heads, torch.ops.torchmha.blocked_attention_backward(grad, q, k, v, None, False, heads, lse)
+names, (heads, grads) = ops(forward_and_backward)
+leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+reference = torch.nn.functional.scaled_dot_product_attention(*leaves)
 torch.testing.assert_close(heads, reference)
+torch.testing.assert_close(grads, torch.autograd.grad(reference, leaves, grad))
 inside = [n for n in names if n.startswith("aten::") and n.endswith("mm")]
 assert bool(inside) == ATEN, inside
 """
@@ -187,6 +192,7 @@ assert bool(inside) == ATEN, inside
 @pytest.mark.parametrize("env,aten", [({}, False), ({"TORCHMHA_BRGEMM_MAX_MACS": "0"}, True),
                                       ({"TORCHMHA_BLAS_GEMM": "0"}, True)], ids=["default", "no brgemm", "no blas"])
 def test_micro_gemm_settings_move_products_to_aten(env, aten):
-    """By default the blocked kernel's products are brgemm and the BLAS GEMM on raw pointers (no ATen
-    op); each setting sends its share to ATen's mm/addmm, with the same numbers."""
+    """By default the blocked kernel's products (forward and backward) are brgemm and the BLAS GEMM
+    on raw pointers (no ATen op); each setting sends its share to ATen's mm/addmm, with the same
+    numbers."""
     run_python_with(MICRO_GEMMS.replace("ATEN", str(aten)), set_env=env)
