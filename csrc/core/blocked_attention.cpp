@@ -15,10 +15,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <numeric>
-#include <string>
 #include <vector>
 
 namespace torchmha::core {
@@ -112,21 +110,14 @@ int64_t keys_read(int64_t l0, int64_t rows, int64_t S, bool is_causal) {
 }
 
 // Each head's rows transposed, (N, H, D, len) contiguous, so that the products against K^T (and
-// V^T in the backward) are brgemm calls on plain row-major blocks. brgemm takes no transposed
+// V^T in the backward) are brgemm calls on plain row-major blocks: HeadRows of it give row d of
+// a head's K^T, and column s is `+ s`. brgemm takes no transposed
 // operand, and the BLAS GEMM that reads K transposed in place repacks both operands on every call:
 // with the copy (one per head, not per block) the forward measured 0.81-0.93x SDPA's time at
 // 1024^2-4096^2 scores a head, against 0.95-0.99 without (AMD EPYC, 2 threads, 5 rounds each).
 Tensor heads_transposed(const Tensor& t) {
   return t.transpose(2, 3).contiguous();
 }
-
-// Rows of a (N, H, D, len) transposed head: column s of head (n, h), row stride len.
-struct TransposedRows {
-  const float* data;
-  int64_t D, len;
-  explicit TransposedRows(const Tensor& t) : data(t.const_data_ptr<float>()), D(t.size(2)), len(t.size(3)) {}
-  const float* operator()(int64_t n_h, int64_t s) const { return data + n_h * D * len + s; }
-};
 
 void online_softmax_rows(const kernel::OnlineSoftmaxRows& step) {
   cpu_capability() == Capability::kAvx512 ? kernel::avx512::online_softmax_rows(step)
@@ -148,8 +139,7 @@ void blocked_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v,
   const int64_t blocks_per_head = (L + block - 1) / block;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   const Tensor q_scaled = q.mul(scale), k_t = heads_transposed(k);
-  const HeadRows<float> q_rows(q_scaled), v_rows(v);
-  const TransposedRows k_cols(k_t);
+  const HeadRows<float> q_rows(q_scaled), v_rows(v), kt_rows(k_t);
   float* heads_data = heads_lnhd.data_ptr<float>();
   float* lse_data = lse.data_ptr<float>();
 
@@ -166,7 +156,7 @@ void blocked_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v,
       const int64_t keys = keys_read(l0, rows, S, is_causal);
       for (int64_t s0 = 0; s0 < keys; s0 += key_block) {
         const int64_t cols = std::min(key_block, keys - s0);
-        matmul(rows, cols, D, q_rows(n, h, l0), q_rows.ld, k_cols(n * H + h, s0), S, scores.data(), key_block);
+        matmul(rows, cols, D, q_rows(n, h, l0), q_rows.ld, kt_rows(n, h) + s0, kt_rows.ld, scores.data(), key_block);
         online_softmax_rows({scores.data(), key_block, 1.f, mask_row == nullptr ? nullptr : mask_row + s0, mask_ld,
                              is_causal, l0 - s0, max.data(), sum.data(), acc.data(), D, D, rows, cols});
         matmul(rows, D, cols, scores.data(), key_block, v_rows(n, h, s0), v_rows.ld, acc.data(), D,
@@ -197,7 +187,7 @@ void blocked_attention_backward_kernel(const Tensor& grad_heads, const Tensor& q
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   const Tensor q_scaled = q.mul(scale), k_t = heads_transposed(k), v_t = heads_transposed(v);
   const HeadRows<float> q_rows(q), qs_rows(q_scaled), k_rows(k), o_rows(heads), do_rows(grad_heads);
-  const TransposedRows k_cols(k_t), v_cols(v_t);
+  const HeadRows<float> kt_rows(k_t), vt_rows(v_t);
   const float* lse_data = lse.const_data_ptr<float>();
   float *dq_data = dq.data_ptr<float>(), *dk_data = dk.data_ptr<float>(), *dv_data = dv.data_ptr<float>();
 
@@ -221,8 +211,8 @@ void blocked_attention_backward_kernel(const Tensor& grad_heads, const Tensor& q
         const int64_t keys = keys_read(l0, rows, S, is_causal);
         for (int64_t s0 = 0; s0 < keys; s0 += key_block) {
           const int64_t cols = std::min(key_block, keys - s0);
-          matmul(rows, cols, D, qs_rows(n, h, l0), qs_rows.ld, k_cols(pair, s0), S, p.data(), key_block);
-          matmul(rows, cols, D, do_rows(n, h, l0), do_rows.ld, v_cols(pair, s0), S, dp.data(), key_block);
+          matmul(rows, cols, D, qs_rows(n, h, l0), qs_rows.ld, kt_rows(n, h) + s0, kt_rows.ld, p.data(), key_block);
+          matmul(rows, cols, D, do_rows(n, h, l0), do_rows.ld, vt_rows(n, h) + s0, vt_rows.ld, dp.data(), key_block);
           softmax_backward_rows({p.data(), dp.data(), key_block, mask_row == nullptr ? nullptr : mask_row + s0, mask_ld,
                                  is_causal, l0 - s0, row_lse, delta.data(), static_cast<float>(scale), rows, cols});
           matmul(rows, D, cols, dp.data(), key_block, k_rows(n, h, s0), k_rows.ld, dq_nh + l0 * D, D, true);

@@ -39,17 +39,21 @@ inline Capability cpu_capability() {
   return capability;
 }
 
+/// Whether torch's CPU feature table (at::cpu::get_cpu_capabilities, read once) says this CPU has
+/// `feature`.
+inline bool cpu_has_feature(const char* feature) {
+  static const auto capabilities = at::cpu::get_cpu_capabilities();
+  const auto found = capabilities.find(feature);
+  return found != capabilities.end() && found->second.isBool() && found->second.toBool();
+}
+
 /// Whether this CPU has AMX tiles for `dtype` (bfloat16 or float16): ATen's own GEMMs and SDPA then
 /// run on them. TORCHMHA_AMX=0/1 sets the answer for both dtypes (torchmha runs no AMX code itself,
 /// so 1 is safe on any CPU: it only moves the rules that read this).
 inline bool cpu_has_amx(at::ScalarType dtype) {
-  static const auto capabilities = at::cpu::get_cpu_capabilities();
-  const auto has = [](const char* key) {
-    const auto found = capabilities.find(key);
-    return found != capabilities.end() && found->second.isBool() && found->second.toBool();
-  };
   static const std::optional<bool> forced = settings::read_switch("TORCHMHA_AMX");
-  static const bool bf16 = forced.value_or(has("amx_bf16")), fp16 = forced.value_or(has("amx_fp16"));
+  static const bool bf16 = forced.value_or(cpu_has_feature("amx_bf16"));
+  static const bool fp16 = forced.value_or(cpu_has_feature("amx_fp16"));
   return dtype == at::kBFloat16 ? bf16 : dtype == at::kHalf ? fp16 : false;
 }
 
@@ -62,9 +66,7 @@ inline bool cpu_is_amd() {
     if (const auto set = settings::read_choice("TORCHMHA_CPU_VENDOR", {"amd", "intel"})) {
       return *set == "amd";
     }
-    const auto capabilities = at::cpu::get_cpu_capabilities();
-    const auto found = capabilities.find("sse4a");
-    return found != capabilities.end() && found->second.isBool() && found->second.toBool();
+    return cpu_has_feature("sse4a");
   }();
   return amd;
 }

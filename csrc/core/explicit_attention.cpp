@@ -15,7 +15,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cmath>
 #include <tuple>
 #include <vector>

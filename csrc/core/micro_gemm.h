@@ -33,6 +33,12 @@ void matmul_aten(int64_t M, int64_t N, int64_t K, const scalar_t* A, int64_t lda
   accumulate ? at::addmm_out(c, c, a, b) : at::mm_out(c, a, b);
 }
 
+/// Whether `gemm` may call the BLAS's own GEMM: yes unless TORCHMHA_BLAS_GEMM=0.
+inline bool blas_gemm_allowed() {
+  static const bool allowed = settings::read_switch("TORCHMHA_BLAS_GEMM").value_or(true);
+  return allowed;
+}
+
 /// The most multiply-adds a float `matmul` gives brgemm: 2^20, or TORCHMHA_BRGEMM_MAX_MACS (0: never).
 inline int64_t brgemm_max_macs() {
   static const int64_t most =
@@ -80,9 +86,8 @@ void gemm(bool transpose_a, bool transpose_b, int64_t M, int64_t N, int64_t K, s
     }
   }();
   // The Fortran interface takes int sizes: anything larger goes to ATen.
-  static const bool blas_allowed = settings::read_switch("TORCHMHA_BLAS_GEMM").value_or(true);
   const int64_t largest = std::max({M, N, K, lda, ldb, ldc});
-  if (blas_allowed && blas != nullptr && largest <= std::numeric_limits<int>::max()) {
+  if (blas_gemm_allowed() && blas != nullptr && largest <= std::numeric_limits<int>::max()) {
     const char ta = transpose_a ? 'T' : 'N', tb = transpose_b ? 'T' : 'N';
     const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
     const int ld_a = static_cast<int>(lda), ld_b = static_cast<int>(ldb), ld_c = static_cast<int>(ldc);

@@ -11,7 +11,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
-#include <cstdlib>
 #include <type_traits>
 
 namespace torchmha::core {
