@@ -109,16 +109,6 @@ int64_t keys_read(int64_t l0, int64_t rows, int64_t S, bool is_causal) {
   return is_causal ? std::min(S, l0 + rows) : S;
 }
 
-// Each head's rows transposed, (N, H, D, len) contiguous, so that the products against K^T (and
-// V^T in the backward) are brgemm calls on plain row-major blocks: HeadRows of it give row d of
-// a head's K^T, and column s is `+ s`. brgemm takes no transposed
-// operand, and the BLAS GEMM that reads K transposed in place repacks both operands on every call:
-// with the copy (one per head, not per block) the forward measured 0.81-0.93x SDPA's time at
-// 1024^2-4096^2 scores a head, against 0.95-0.99 without (AMD EPYC, 2 threads, 5 rounds each).
-Tensor heads_transposed(const Tensor& t) {
-  return t.transpose(2, 3).contiguous();
-}
-
 void online_softmax_rows(const kernel::OnlineSoftmaxRows& step) {
   cpu_capability() == Capability::kAvx512 ? kernel::avx512::online_softmax_rows(step)
                                           : kernel::avx2::online_softmax_rows(step);
@@ -129,47 +119,86 @@ void softmax_backward_rows(const kernel::SoftmaxBackwardRows& step) {
                                           : kernel::avx2::softmax_backward_rows(step);
 }
 
-// Float32 inputs. Per (sequence, head, block of query rows), over the blocks of keys: the block's
-// scores (one micro-GEMM of the scaled queries against K^T), the running softmax, the accumulated
-// P V (another); then the rows divided by their sums.
+// Head (n, h)'s keys [0, keys) transposed into `kt` (D x keys, row stride keys): the products
+// against K^T are then brgemm calls on plain row-major blocks. brgemm takes no transposed
+// operand, and the BLAS GEMM that reads K transposed in place repacks both operands on every call:
+// with K^T (once per head, not per block) the forward measured 0.81-0.93x SDPA's time at
+// 1024^2-4096^2 scores a head, against 0.95-0.99 without (AMD EPYC, 2 threads, 5 rounds each).
+// Made by the task that reads it, into its own buffer, rather than for all heads in one pass
+// before: it is then still in that core's cache (at 64 heads of 128^2 the forward went from 2.96
+// to 2.36 ms with this and the scale moved into the softmax step). The buffer is a Tensor, not a
+// std::vector: brgemm on rows less aligned than ATen's allocations measured 10% slower.
+const float* transpose_head(const HeadRows<float>& rows, int64_t n, int64_t h, int64_t keys, int64_t D, Tensor& kt) {
+  if (kt.numel() < D * keys) {
+    kt = at::empty({D * keys}, at::kFloat);
+  }
+  // By 16 keys, so that each row of K^T gets a whole cache line at once from rows still in L1.
+  float* out = kt.data_ptr<float>();
+  for (int64_t s0 = 0; s0 < keys; s0 += 16) {
+    const int64_t count = std::min<int64_t>(16, keys - s0);
+    const float* first = rows(n, h, s0);
+    for (int64_t d = 0; d < D; ++d) {
+      for (int64_t s = 0; s < count; ++s) {
+        out[d * keys + s0 + s] = first[s * rows.ld + d];
+      }
+    }
+  }
+  return out;
+}
+
+// Float32 inputs. Tasks are runs of query blocks of one head (one run a head unless the heads are
+// fewer than the threads), each with its head's K^T. Per block of query rows, over the blocks of
+// keys: the block's scores (one micro-GEMM against K^T), scaled and masked in the running softmax,
+// the accumulated P V (another); then the rows divided by their sums.
 void blocked_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
                               bool is_causal, const Tensor& heads_lnhd, const Tensor& lse) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
   const int64_t block = std::min(kQueryRows, L), key_block = keys_per_block(block, D, S);
   const int64_t blocks_per_head = (L + block - 1) / block;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  const Tensor q_scaled = q.mul(scale), k_t = heads_transposed(k);
-  const HeadRows<float> q_rows(q_scaled), v_rows(v), kt_rows(k_t);
+  const int64_t runs_per_head = std::min(blocks_per_head, (4 * at::get_num_threads() + N * H - 1) / (N * H));
+  const int64_t blocks_per_run = (blocks_per_head + runs_per_head - 1) / runs_per_head;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const HeadRows<float> q_rows(q), k_rows(k), v_rows(v);
   float* heads_data = heads_lnhd.data_ptr<float>();
   float* lse_data = lse.data_ptr<float>();
 
-  at::parallel_for(0, N * H * blocks_per_head, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N * H * runs_per_head, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(block * key_block), acc(block * D), max(block), sum(block);
+    Tensor kt_buffer;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / (H * blocks_per_head), h = task / blocks_per_head % H;
-      const int64_t l0 = task % blocks_per_head * block, rows = std::min(block, L - l0);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(max.begin(), max.end(), -INFINITY);
-      std::fill(sum.begin(), sum.end(), 0.f);
-      int64_t mask_ld = 0;
-      const float* mask_row = mask_rows<float>(mask, n, h, l0, &mask_ld);
-      const int64_t keys = keys_read(l0, rows, S, is_causal);
-      for (int64_t s0 = 0; s0 < keys; s0 += key_block) {
-        const int64_t cols = std::min(key_block, keys - s0);
-        matmul(rows, cols, D, q_rows(n, h, l0), q_rows.ld, kt_rows(n, h) + s0, kt_rows.ld, scores.data(), key_block);
-        online_softmax_rows({scores.data(), key_block, 1.f, mask_row == nullptr ? nullptr : mask_row + s0, mask_ld,
-                             is_causal, l0 - s0, max.data(), sum.data(), acc.data(), D, D, rows, cols});
-        matmul(rows, D, cols, scores.data(), key_block, v_rows(n, h, s0), v_rows.ld, acc.data(), D,
-               /*accumulate=*/true);
+      const int64_t n = task / (H * runs_per_head), h = task / runs_per_head % H;
+      const int64_t first = task % runs_per_head * blocks_per_run * block;
+      const int64_t last = std::min(L, first + blocks_per_run * block);
+      if (first >= last) {
+        continue;
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        const bool any = sum[r] > 0.f;
-        const float inverse = any ? 1.f / sum[r] : 0.f;
-        float* out = heads_data + ((l0 + r) * N + n) * H * D + h * D;
-        for (int64_t d = 0; d < D; ++d) {
-          out[d] = acc[r * D + d] * inverse;
+      const int64_t run_keys = keys_read(first, last - first, S, is_causal);
+      const float* kt = transpose_head(k_rows, n, h, run_keys, D, kt_buffer);
+      for (int64_t l0 = first; l0 < last; l0 += block) {
+        const int64_t rows = std::min(block, last - l0);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        std::fill(max.begin(), max.end(), -INFINITY);
+        std::fill(sum.begin(), sum.end(), 0.f);
+        int64_t mask_ld = 0;
+        const float* mask_row = mask_rows<float>(mask, n, h, l0, &mask_ld);
+        const int64_t keys = keys_read(l0, rows, S, is_causal);
+        for (int64_t s0 = 0; s0 < keys; s0 += key_block) {
+          const int64_t cols = std::min(key_block, keys - s0);
+          matmul(rows, cols, D, q_rows(n, h, l0), q_rows.ld, kt + s0, run_keys, scores.data(), key_block);
+          online_softmax_rows({scores.data(), key_block, scale, mask_row == nullptr ? nullptr : mask_row + s0,
+                               mask_ld, is_causal, l0 - s0, max.data(), sum.data(), acc.data(), D, D, rows, cols});
+          matmul(rows, D, cols, scores.data(), key_block, v_rows(n, h, s0), v_rows.ld, acc.data(), D,
+                 /*accumulate=*/true);
         }
-        lse_data[(n * H + h) * L + l0 + r] = any ? max[r] + std::log(sum[r]) : INFINITY;
+        for (int64_t r = 0; r < rows; ++r) {
+          const bool any = sum[r] > 0.f;
+          const float inverse = any ? 1.f / sum[r] : 0.f;
+          float* out = heads_data + ((l0 + r) * N + n) * H * D + h * D;
+          for (int64_t d = 0; d < D; ++d) {
+            out[d] = acc[r * D + d] * inverse;
+          }
+          lse_data[(n * H + h) * L + l0 + r] = any ? max[r] + std::log(sum[r]) : INFINITY;
+        }
       }
     }
   });
@@ -184,17 +213,18 @@ void blocked_attention_backward_kernel(const Tensor& grad_heads, const Tensor& q
                                        const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
   const int64_t block = std::min(kQueryRows, L), key_block = keys_per_block(block, D, S);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  const Tensor q_scaled = q.mul(scale), k_t = heads_transposed(k), v_t = heads_transposed(v);
-  const HeadRows<float> q_rows(q), qs_rows(q_scaled), k_rows(k), o_rows(heads), do_rows(grad_heads);
-  const HeadRows<float> kt_rows(k_t), vt_rows(v_t);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const HeadRows<float> q_rows(q), k_rows(k), v_rows(v), o_rows(heads), do_rows(grad_heads);
   const float* lse_data = lse.const_data_ptr<float>();
   float *dq_data = dq.data_ptr<float>(), *dk_data = dk.data_ptr<float>(), *dv_data = dv.data_ptr<float>();
 
   at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p(block * key_block), dp(block * key_block), delta(block);
+    Tensor kt_buffer, vt_buffer;
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t n = pair / H, h = pair % H;
+      const float* kt = transpose_head(k_rows, n, h, S, D, kt_buffer);
+      const float* vt = transpose_head(v_rows, n, h, S, D, vt_buffer);
       float *dq_nh = dq_data + pair * L * D, *dk_nh = dk_data + pair * S * D, *dv_nh = dv_data + pair * S * D;
       std::fill(dq_nh, dq_nh + L * D, 0.f);
       std::fill(dk_nh, dk_nh + S * D, 0.f);
@@ -211,10 +241,10 @@ void blocked_attention_backward_kernel(const Tensor& grad_heads, const Tensor& q
         const int64_t keys = keys_read(l0, rows, S, is_causal);
         for (int64_t s0 = 0; s0 < keys; s0 += key_block) {
           const int64_t cols = std::min(key_block, keys - s0);
-          matmul(rows, cols, D, qs_rows(n, h, l0), qs_rows.ld, kt_rows(n, h) + s0, kt_rows.ld, p.data(), key_block);
-          matmul(rows, cols, D, do_rows(n, h, l0), do_rows.ld, vt_rows(n, h) + s0, vt_rows.ld, dp.data(), key_block);
+          matmul(rows, cols, D, q_rows(n, h, l0), q_rows.ld, kt + s0, S, p.data(), key_block);
+          matmul(rows, cols, D, do_rows(n, h, l0), do_rows.ld, vt + s0, S, dp.data(), key_block);
           softmax_backward_rows({p.data(), dp.data(), key_block, mask_row == nullptr ? nullptr : mask_row + s0, mask_ld,
-                                 is_causal, l0 - s0, row_lse, delta.data(), static_cast<float>(scale), rows, cols});
+                                 is_causal, l0 - s0, row_lse, delta.data(), scale, rows, cols});
           matmul(rows, D, cols, dp.data(), key_block, k_rows(n, h, s0), k_rows.ld, dq_nh + l0 * D, D, true);
           gemm(true, false, cols, D, rows, 1.f, dp.data(), key_block, q_rows(n, h, l0), q_rows.ld, 1.f, dk_nh + s0 * D,
                D);

@@ -51,9 +51,9 @@ struct OnlineSoftmaxRows {
 };
 
 /// The backward's row step over one block of keys: the `rows` x `cols` scores x (row stride
-/// ld, already scaled) become the probabilities P = exp(x + mask - lse) (0 past the causal limit,
-/// as above, and where lse is +inf), and the gradients dP in `grad` (same layout) become
-/// dS = P (dP - delta) * grad_scale.
+/// ld, not yet scaled) become the probabilities P = exp(scale * x + mask - lse) (0 past the causal
+/// limit, as above, and where lse is +inf), and the gradients dP in `grad` (same layout) become
+/// dS = P (dP - delta) * scale.
 struct SoftmaxBackwardRows {
   float* scores;
   float* grad;
@@ -64,7 +64,7 @@ struct SoftmaxBackwardRows {
   int64_t causal_offset;
   const float* lse;
   const float* delta;
-  float grad_scale;
+  float scale;
   int64_t rows, cols;
 };
 

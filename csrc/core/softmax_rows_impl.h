@@ -108,15 +108,16 @@ void backward_step(const SoftmaxBackwardRows& p) {
   for (int64_t r = 0; r < p.rows; ++r) {
     float *x = p.scores + r * p.ld, *g = p.grad + r * p.ld;
     const int64_t allowed = p.causal ? std::clamp<int64_t>(p.causal_offset + r + 1, 0, p.cols) : p.cols;
-    const V lse(p.lse[r]);
+    const V lse(p.lse[r]), scale(p.scale);
     if (p.mask != nullptr) {
-      at::vec::map2([lse](V a, V m) { return (a + m - lse).exp_u20(); }, x, x, p.mask + r * p.mask_ld, allowed);
+      at::vec::map2([lse, scale](V a, V m) { return (a * scale + m - lse).exp_u20(); }, x, x, p.mask + r * p.mask_ld,
+                    allowed);
     } else {
-      at::vec::map([lse](V a) { return (a - lse).exp_u20(); }, x, x, allowed);
+      at::vec::map([lse, scale](V a) { return (a * scale - lse).exp_u20(); }, x, x, allowed);
     }
     std::fill(x + allowed, x + p.cols, 0.f);
-    at::vec::map2([delta = V(p.delta[r]), s = V(p.grad_scale)](V prob, V dp) { return prob * (dp - delta) * s; }, g, x,
-                  g, p.cols);
+    at::vec::map2([delta = V(p.delta[r]), scale](V prob, V dp) { return prob * (dp - delta) * scale; }, g, x, g,
+                  p.cols);
   }
 }
 
