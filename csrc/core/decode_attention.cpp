@@ -76,12 +76,13 @@ void write_rows(const Tensor& cache, const Tensor& fresh, const Tensor& lengths,
 }  // namespace
 
 std::optional<int64_t> filled_length(const Tensor& lengths) {
+  static const bool static_shapes = settings::read_switch("TORCHMHA_DECODE_STATIC_SHAPES").value_or(false);
   const auto traced = c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
                                            c10::DispatchKey::PythonTLSSnapshot});
-  if (!lengths.device().is_cpu() || lengths.is_meta() || !(lengths.key_set() & traced).empty()) {
+  if (static_shapes || lengths.is_meta() || !(lengths.key_set() & traced).empty()) {
     return std::nullopt;
   }
-  return lengths.numel() == 0 ? 0 : lengths.max().item<int64_t>();
+  return lengths.numel() == 0 ? 0 : lengths.max().item<int64_t>();  // on an accelerator: a sync
 }
 
 Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
@@ -101,7 +102,7 @@ Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Te
   write_rows(k_cache, k_new, lengths, added);
   write_rows(v_cache, v_new, lengths, added);
 
-  // Eager on the CPU: only the filled prefix is read (filled_length).
+  // Eager: only the filled prefix is read (filled_length).
   const auto filled = filled_length(lengths + added);
   const int64_t keys = filled.has_value() ? std::max<int64_t>(1, *filled) : M;
   const Tensor steps = at::arange(T, lengths.options());

@@ -21,10 +21,14 @@
 
 namespace torchmha::core {
 
-/// The longest filled prefix, max(lengths), where reading it costs nothing: lengths on the CPU,
-/// outside tracing (fake and functional tensors carry the Python or Functionalize key). Elsewhere
-/// nullopt, and callers work on the whole capacity: a static shape on purpose, so that a compiled
-/// step is one graph for every length, with no device sync.
+/// The longest filled prefix, max(lengths), in eager mode on every device, so that a step's cost
+/// follows what is filled, not the capacity. On an accelerator that read is one device-to-host copy
+/// of a number (a sync) a step: the ATen composition there launches tens of small kernels a step,
+/// and over a large capacity it would read every cached row. Traced (fake and functional tensors
+/// carry the Python or Functionalize key) or with TORCHMHA_DECODE_STATIC_SHAPES=1: nullopt, and
+/// callers work on the whole capacity, a static shape on purpose: a compiled step is one graph for
+/// every length, and a CUDA graph captured by hand (where a sync cannot be captured) replays for
+/// every length.
 std::optional<int64_t> filled_length(const Tensor& lengths);
 
 /// Through the dispatcher (the op torchmha::decode_attention).
@@ -32,9 +36,9 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_ne
                         const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                         const OptionalTensor& padding, double dropout_p);
 
-/// The ATen composition: the reference and the fallback (any device). In eager mode on the CPU it
-/// reads only the filled prefix; elsewhere, and under tracing, the whole capacity with a mask
-/// (static shapes on purpose: a compiled step is one graph for every length, with no device sync).
+/// The ATen composition: the reference and the fallback (any device). In eager mode it reads only
+/// the filled prefix; traced or with static shapes asked for, the whole capacity with a mask
+/// (filled_length).
 Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                                   const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                                   const OptionalTensor& padding, double dropout_p);

@@ -163,17 +163,35 @@ def test_decode_kernel_setting_forces_the_composition():
     run_python_with(code % str(Path(__file__).parent), set_env={"TORCHMHA_DECODE_KERNEL_MAX_ROWS": "0"})
 
 
-def test_composition_reads_only_the_filled_prefix():
-    """Eager on the CPU, the ATen path attends over the filled positions only, so its cost follows
-    what is filled, not the capacity: NaN in the unfilled positions cannot reach the result (over
-    the whole capacity with a mask, 0 * NaN would)."""
-    q = torch.randn(2, 2, 40, 8)
-    k_cache, v_cache = torch.full((2, 2, 128, 8), float("nan")), torch.full((2, 2, 128, 8), float("nan"))
-    # dropout takes the composition; p = 1e-12 drops nothing in practice
-    out = torch.ops.torchmha.decode_attention(q, q, q, k_cache, v_cache, torch.tensor([0, 0]), None, None, 1e-12)
-    assert not out.isnan().any()
-    expected = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+def composition_over_nan_capacity(device="cpu"):
+    """A step of 40 rows through the ATen composition (dropout takes it; p = 1e-12 drops nothing in
+    practice) into caches of capacity 128 that hold NaN: whether NaN reached the result (over the
+    whole capacity with a mask, 0 * NaN does), and the result against SDPA's."""
+    q = torch.randn(2, 2, 40, 8, device=device)
+    k_cache, v_cache = (torch.full((2, 2, 128, 8), float("nan"), device=device) for _ in range(2))
+    lengths = torch.tensor([0, 0], device=device)
+    out = torch.ops.torchmha.decode_attention(q, q, q, k_cache, v_cache, lengths, None, None, 1e-12)
+    return out.isnan().any().item(), out, torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_composition_reads_only_the_filled_prefix(device):
+    """Eager, on every device, the ATen path attends over the filled positions only, so its cost
+    follows what is filled, not the capacity: NaN in the unfilled positions cannot reach the result."""
+    reached, out, expected = composition_over_nan_capacity(device)
+    assert not reached
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+def test_static_shapes_setting_attends_over_the_capacity():
+    """TORCHMHA_DECODE_STATIC_SHAPES=1 (for CUDA graphs captured by hand) keeps the whole capacity,
+    masked: the NaN there reaches the result."""
+    code = ("import sys; sys.path.insert(0, %r); import torchmha, test_kv_cache as t; "
+            "assert t.composition_over_nan_capacity()[0]")
+    run_python_with(code % str(Path(__file__).parent), set_env={"TORCHMHA_DECODE_STATIC_SHAPES": "1"})
 
 
 def test_reorder_moves_only_the_filled_prefix():
