@@ -345,6 +345,9 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
   //  - bfloat16: computed in float32 here, SDPA's bfloat16 GEMMs were slower: 0.7-0.9 forward,
   //    0.2-0.7 forward+backward. float16: forward 0.9-1.2 (SDPA kept: this CPU has AVX512-FP16),
   //    forward+backward 0.1-0.9 from 16^2. Not where AMX serves SDPA (not measured).
+  //  - float16 forward without AVX512-FP16 (AMD EPYC, 2026-12-02, 3 rounds): 0.24-0.78 from 128^2
+  //    (causal or not, up to 2048^2); below, 0.34-0.55, but 64^2 causal 0.62-1.24. So the bfloat16
+  //    forward rule there.
   //  - float32 causal: 0.66-0.88 forward up to 1024^2, 1.0 beyond; 0.56-0.86 forward+backward.
   //  - float32 otherwise: forward 0.81-0.99 at 128^2 (four runs), 0.94-1.04 at 256^2, 0.93-1.14 at
   //    512^2, 1.0-1.2 beyond (SDPA kept there); forward+backward 0.63-0.97 up to 512^2 (the backward
@@ -358,7 +361,8 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
   const int64_t scores = q.size(2) * k.size(2);
   const auto dtype = q.scalar_type();
   if (dtype == at::kBFloat16 || dtype == at::kHalf) {
-    return !cpu_has_amx(dtype) && (dtype == at::kHalf ? with_grad : scores >= 128 * 128);
+    const bool native_fp16 = dtype == at::kHalf && cpu_has_avx512_fp16();
+    return !cpu_has_amx(dtype) && ((dtype == at::kHalf && with_grad) || (!native_fp16 && scores >= 128 * 128));
   }
   if (is_causal) {
     return scores >= 128 * 128;

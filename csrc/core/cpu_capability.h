@@ -57,6 +57,16 @@ inline bool cpu_has_amx(at::ScalarType dtype) {
   return dtype == at::kBFloat16 ? bf16 : dtype == at::kHalf ? fp16 : false;
 }
 
+/// Whether this CPU computes float16 natively in AVX-512 (avx512_fp16): SDPA's float16 GEMMs then
+/// run at that rate, and the blocked kernel (float16 computed in float32) keeps only training
+/// there (blocked_attention.cpp). TORCHMHA_AVX512_FP16=0/1 sets the answer (torchmha runs no
+/// AVX512-FP16 code itself, so 1 is safe on any CPU).
+inline bool cpu_has_avx512_fp16() {
+  static const bool fp16 =
+      settings::read_switch("TORCHMHA_AVX512_FP16").value_or(cpu_has_feature("avx512_fp16"));
+  return fp16;
+}
+
 /// Whether this is an AMD CPU: it has SSE4a, AMD's own extension (on every AMD x86-64 since 2007,
 /// on no Intel CPU). The blocked kernel's float32 rule keys on it (blocked_attention.cpp): its
 /// sizes were measured against SDPA on an AMD EPYC and on an Intel Xeon, and they differ there.

@@ -26,6 +26,8 @@ TRIGGERS = {
     "TORCHMHA_CPU_CAPABILITY": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
     "TORCHMHA_AMX": "x = torch.randn(1, 1, 256, 8, dtype=torch.bfloat16); "
                     "torchmha.MultiheadAttention(8, 1, dtype=torch.bfloat16)(x[0], x[0], x[0], need_weights=False)",
+    "TORCHMHA_AVX512_FP16": "x = torch.randn(1, 256, 8, dtype=torch.float16); m = torchmha.MultiheadAttention(8, 1, "
+                            "dtype=torch.float16)\nwith torch.no_grad(): m(x, x, x, need_weights=False)",
     "TORCHMHA_CPU_VENDOR": "m = torchmha.MultiheadAttention(8, 1); x = torch.randn(256, 1, 8); "
                            "m(x, x, x, need_weights=False)",
     "TORCHMHA_FAST_PATH_SDPA": "m = torchmha.MultiheadAttention(8, 2, batch_first=True).eval(); "
@@ -47,6 +49,7 @@ MALFORMED = [
     ("TORCHMHA_SMALL_LINEAR", "off", SWITCH),
     ("TORCHMHA_CPU_CAPABILITY", "avx512f", "must be one of avx512, avx2, default"),
     ("TORCHMHA_AMX", "true", SWITCH),
+    ("TORCHMHA_AVX512_FP16", "yes", SWITCH),
     ("TORCHMHA_CPU_VENDOR", "zen", "must be one of amd, intel"),
     ("TORCHMHA_FAST_PATH_SDPA", "2", SWITCH),
     ("TORCHMHA_FAST_PATH_WEIGHTS_KERNEL", "no", SWITCH),
@@ -125,6 +128,17 @@ def blocked(dtype, L, train=False):
         names, _ = ops(lambda: m(x, x, x, need_weights=False))
     return "torchmha::blocked_attention" in names
 """
+
+
+@needs_avx512
+def test_avx512_fp16_setting_moves_the_float16_forward_rule():
+    """With AVX512-FP16, a float16 forward keeps SDPA (its GEMMs run natively); without, the kernel
+    runs from 128^2 scores a head."""
+    code = BLOCKED_TAKEN + "assert blocked(torch.float16, 256) == EXPECTED"
+    unset = ("TORCHMHA_BLOCKED_KERNEL",)
+    env = {"TORCHMHA_AMX": "0"}
+    run_python_with(code.replace("EXPECTED", "False"), set_env={**env, "TORCHMHA_AVX512_FP16": "1"}, unset=unset)
+    run_python_with(code.replace("EXPECTED", "True"), set_env={**env, "TORCHMHA_AVX512_FP16": "0"}, unset=unset)
 
 
 @needs_avx512
