@@ -103,14 +103,21 @@ def test_long_sequences_at_different_lengths_split_over_threads(dtype):
         step(ours, seqs, torch.randn(1, len(lengths), 64, dtype=dtype), [1] * len(lengths), dtype)
 
 
+# A step into caches already holding rows (the decode kernel), and a prefill of 70 rows into empty
+# caches (the blocked kernel in float32/bfloat16/float16, decode_attention.cpp): (T, M, before, added).
+STEPS = {"step": (2, 9, [3, 0, 6], [2, 0, 1]), "prefill": (70, 80, [0, 0, 0], [70, 0, 33])}
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("given", [True, False])
-def test_decode_op_writes_attends_and_advances_each_sequence(dtype, given):
-    """The op alone (the CPU kernel; bfloat16 and float16 computed in float): each sequence's new rows go to
+@pytest.mark.parametrize("kind", STEPS)
+def test_decode_op_writes_attends_and_advances_each_sequence(dtype, given, kind):
+    """The op alone (the CPU kernels; bfloat16 and float16 computed in float): each sequence's new rows go to
     its own position, each new row attends to its own prefix, rows past new_lengths are zeros and
     lengths advance by new_lengths (by T when it is None)."""
-    Nb, Hb, T, D, M = 3, 2, 2, 8, 9
-    before, added = torch.tensor([3, 0, 6]), torch.tensor([2, 0, 1]) if given else torch.full((3,), T)
+    Nb, Hb, D = 3, 2, 8
+    T, M, before, added = STEPS[kind]
+    before, added = torch.tensor(before), torch.tensor(added) if given else torch.full((3,), T)
     q, k_new, v_new = (torch.randn(Nb, Hb, T, D, dtype=dtype) for _ in range(3))
     k_cache, v_cache = torch.randn(Nb, Hb, M, D, dtype=dtype), torch.randn(Nb, Hb, M, D, dtype=dtype)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
@@ -156,6 +163,31 @@ def test_decode_kernel_setting_limits_its_rows():
     code = ("import sys; sys.path.insert(0, %r); import torchmha, test_kv_cache as t; "
             "assert not t.decode_runs_sdpa(4) and t.decode_runs_sdpa(5)")
     run_python_with(code % str(Path(__file__).parent), set_env={"TORCHMHA_DECODE_KERNEL_MAX_ROWS": "4"})
+
+
+def prefill_runs_blocked(T, before=(0, 0), padded=False):
+    """Whether a step of T new rows after `before` cached rows runs the blocked kernel."""
+    q = torch.randn(2, 2, T, 16)
+    cache = torch.zeros(2, 2, 128, 16)
+    padding = torch.zeros(2, 128) if padded else None
+    with torch.profiler.profile() as prof:
+        torch.ops.torchmha.decode_attention(q, q, q, cache, cache.clone(), torch.tensor(before), None, padding, 0.0)
+    return any(e.name == "torchmha::blocked_attention" for e in prof.events())
+
+
+def test_prefill_rule_takes_the_blocked_kernel_into_empty_caches():
+    """From 64 rows into empty caches without padding (decode_attention.cpp: prefill_takes_blocked_kernel)."""
+    assert prefill_runs_blocked(64) and prefill_runs_blocked(100)
+    assert not prefill_runs_blocked(63) and not prefill_runs_blocked(64, before=(0, 1))
+    assert not prefill_runs_blocked(64, padded=True)
+
+
+def test_prefill_setting_forces_each_kernel():
+    code = ("import sys; sys.path.insert(0, %r); import torchmha, test_kv_cache as t; "
+            "assert t.prefill_runs_blocked(1) and not t.prefill_runs_blocked(1, before=(0, 1))")
+    run_python_with(code % str(Path(__file__).parent), set_env={"TORCHMHA_PREFILL_BLOCKED": "1"})
+    code = "import sys; sys.path.insert(0, %r); import torchmha, test_kv_cache as t; assert not t.prefill_runs_blocked(100)"
+    run_python_with(code % str(Path(__file__).parent), set_env={"TORCHMHA_PREFILL_BLOCKED": "0"})
 
 
 def test_decode_kernel_setting_forces_the_composition():

@@ -187,6 +187,9 @@ def decoding_samples():
         (ops.decode_attention.default,  # new_lengths None: every sequence appends all T positions
          (*(torch.randn(N, H, 2, D, **f64) for _ in range(3)), torch.randn(N, H, max_len, D, **f64),
           torch.randn(N, H, max_len, D, **f64), torch.tensor([4, 0]), None, None, 0.0), {}),
+        (ops.decode_attention.default,  # a prefill into empty caches: the blocked kernel (float32)
+         (*(torch.randn(N, H, 64, D) for _ in range(3)), torch.zeros(N, H, 64, D), torch.zeros(N, H, 64, D),
+          torch.tensor([0, 0]), torch.tensor([64, 30]), None, 0.0), {}),
         (ops.reorder_cache.default,
          (torch.randn(N, H, max_len, D, **f64), torch.randn(N, H, max_len, D, **f64), torch.tensor([3, 1]),
           torch.tensor([1, 1])), {}),

@@ -22,6 +22,9 @@ TRIGGERS = {
     "TORCHMHA_DECODE_STATIC_SHAPES": "q = torch.randn(1, 1, 1, 8); c = torch.zeros(1, 1, 4, 8); "
                                      "torch.ops.torchmha.decode_attention(q, q, q, c, c.clone(), "
                                      "torch.tensor([0]), None, None, 1e-12)",
+    "TORCHMHA_PREFILL_BLOCKED": "q = torch.randn(1, 1, 64, 8); c = torch.zeros(1, 1, 64, 8); "
+                                "torch.ops.torchmha.decode_attention(q, q, q, c, c.clone(), "
+                                "torch.tensor([0]), None, None, 0.0)",
     "TORCHMHA_SMALL_LINEAR": "torch.ops.torchmha.small_linear(torch.randn(1, 8), torch.randn(4, 8), None)",
     "TORCHMHA_CPU_CAPABILITY": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
     "TORCHMHA_AMX": "x = torch.randn(1, 1, 256, 8, dtype=torch.bfloat16); "
@@ -46,6 +49,7 @@ MALFORMED = [
     ("TORCHMHA_DECODE_KERNEL_MAX_ROWS", "many", COUNT + " (new rows a step)"),
     ("TORCHMHA_DECODE_KERNEL_MAX_ROWS", "-1", COUNT),
     ("TORCHMHA_DECODE_STATIC_SHAPES", "static", SWITCH),
+    ("TORCHMHA_PREFILL_BLOCKED", "auto", SWITCH),
     ("TORCHMHA_SMALL_LINEAR", "off", SWITCH),
     ("TORCHMHA_CPU_CAPABILITY", "avx512f", "must be one of avx512, avx2, default"),
     ("TORCHMHA_AMX", "true", SWITCH),
