@@ -135,17 +135,19 @@ void fuzz_packed_projection(Choices& c) {
 
 // One cached decoding step: random lengths (some past the capacity), new_lengths (some out of
 // range), padding masks, dtypes and cache shapes, through the decode kernel and the ATen
-// composition (dropout).
+// composition (dropout); sometimes a prefill of 64+ rows into empty caches (the blocked kernel).
 void fuzz_cached_step(Choices& c) {
-  const int64_t H = 1 + c.below(3), D = 1 + c.below(5), E = H * D, N = c.below(4), M = 1 + c.below(6);
-  const int64_t T = c.below(8) == 0 ? 9 : c.below(5);
+  const bool prefill = c.below(8) == 0;
+  const int64_t H = 1 + c.below(3), D = 1 + c.below(5), E = H * D, N = c.below(4);
+  const int64_t T = prefill ? 64 + c.below(4) : c.below(8) == 0 ? 9 : c.below(5);
+  const int64_t M = prefill ? T - 1 + c.below(3) : 1 + c.below(6);  // a prefill's cache sometimes a row short
   const at::ScalarType dtypes[] = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf};
   const auto options = at::TensorOptions().dtype(dtypes[c.below(4)]);
   const bool batch_first = c.flag();
   auto query = batch_first ? at::randn({N, T, E}, options) : at::randn({T, N, E}, options);
   const int64_t cache_heads = c.below(8) == 0 ? H + 1 : H;  // sometimes a cache for another model
   auto k_cache = at::randn({N, cache_heads, M, D}, options), v_cache = at::randn({N, cache_heads, M, D}, options);
-  auto lengths = at::randint(0, M + 2, {N}, at::kLong);
+  auto lengths = prefill ? at::zeros({N}, at::kLong) : at::randint(0, M + 2, {N}, at::kLong);
   std::optional<at::Tensor> new_lengths;
   if (c.flag()) {
     new_lengths = at::randint(-1, T + 2, {N}, at::kLong);
