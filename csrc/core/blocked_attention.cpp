@@ -146,59 +146,81 @@ const float* transpose_head(const HeadRows<float>& rows, int64_t n, int64_t h, i
   return out;
 }
 
+// What every block of the forward reads and writes (float32).
+struct ForwardProblem {
+  HeadRows<float> q_rows, k_rows, v_rows;
+  const OptionalTensor& mask;
+  bool is_causal;
+  int64_t N, H, L, D, S, block, key_block;
+  float scale;
+  float* heads_lnhd;  // (L, N, H, D)
+  float* lse;         // (N, H, L)
+};
+
+// One thread's scratch: a block's scores, its accumulated rows, their running max and sum.
+struct ForwardScratch {
+  std::vector<float> scores, acc, max, sum;
+  ForwardScratch(const ForwardProblem& p)
+      : scores(p.block * p.key_block), acc(p.block * p.D), max(p.block), sum(p.block) {}
+};
+
+// Query rows [l0, l0 + rows) of head (n, h), over the blocks of keys: the block's scores (one
+// micro-GEMM against K^T, `kt` with row stride kt_ld), scaled and masked in the running softmax,
+// the accumulated P V (another); then the rows divided by their sums, and their log-sum-exp.
+void forward_block(const ForwardProblem& p, ForwardScratch& s, int64_t n, int64_t h, int64_t l0, int64_t rows,
+                   const float* kt, int64_t kt_ld) {
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  std::fill(s.max.begin(), s.max.end(), -INFINITY);
+  std::fill(s.sum.begin(), s.sum.end(), 0.f);
+  int64_t mask_ld = 0;
+  const float* mask_row = mask_rows<float>(p.mask, n, h, l0, &mask_ld);
+  const int64_t keys = keys_read(l0, rows, p.S, p.is_causal), D = p.D;
+  for (int64_t s0 = 0; s0 < keys; s0 += p.key_block) {
+    const int64_t cols = std::min(p.key_block, keys - s0);
+    matmul(rows, cols, D, p.q_rows(n, h, l0), p.q_rows.ld, kt + s0, kt_ld, s.scores.data(), p.key_block);
+    online_softmax_rows({s.scores.data(), p.key_block, p.scale, mask_row == nullptr ? nullptr : mask_row + s0,
+                         mask_ld, p.is_causal, l0 - s0, s.max.data(), s.sum.data(), s.acc.data(), D, D, rows, cols});
+    matmul(rows, D, cols, s.scores.data(), p.key_block, p.v_rows(n, h, s0), p.v_rows.ld, s.acc.data(), D,
+           /*accumulate=*/true);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool any = s.sum[r] > 0.f;
+    const float inverse = any ? 1.f / s.sum[r] : 0.f;
+    float* out = p.heads_lnhd + ((l0 + r) * p.N + n) * p.H * D + h * D;
+    for (int64_t d = 0; d < D; ++d) {
+      out[d] = s.acc[r * D + d] * inverse;
+    }
+    p.lse[(n * p.H + h) * p.L + l0 + r] = any ? s.max[r] + std::log(s.sum[r]) : INFINITY;
+  }
+}
+
 // Float32 inputs. Tasks are runs of query blocks of one head (one run a head unless the heads are
-// fewer than the threads), each with its head's K^T. Per block of query rows, over the blocks of
-// keys: the block's scores (one micro-GEMM against K^T), scaled and masked in the running softmax,
-// the accumulated P V (another); then the rows divided by their sums.
+// fewer than the threads), each with its head's K^T (transpose_head), then forward_block per block.
 void blocked_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
                               bool is_causal, const Tensor& heads_lnhd, const Tensor& lse) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
-  const int64_t block = std::min(kQueryRows, L), key_block = keys_per_block(block, D, S);
+  const int64_t block = std::min(kQueryRows, L);
+  const ForwardProblem p{HeadRows<float>(q), HeadRows<float>(k), HeadRows<float>(v), mask, is_causal, N, H, L, D, S,
+                         block, keys_per_block(block, D, S),
+                         static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))), heads_lnhd.data_ptr<float>(),
+                         lse.data_ptr<float>()};
   const int64_t blocks_per_head = (L + block - 1) / block;
   const int64_t runs_per_head = std::min(blocks_per_head, (4 * at::get_num_threads() + N * H - 1) / (N * H));
-  const int64_t blocks_per_run = (blocks_per_head + runs_per_head - 1) / runs_per_head;
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  const HeadRows<float> q_rows(q), k_rows(k), v_rows(v);
-  float* heads_data = heads_lnhd.data_ptr<float>();
-  float* lse_data = lse.data_ptr<float>();
+  const int64_t rows_per_run = (blocks_per_head + runs_per_head - 1) / runs_per_head * block;
 
   at::parallel_for(0, N * H * runs_per_head, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(block * key_block), acc(block * D), max(block), sum(block);
+    ForwardScratch scratch(p);
     Tensor kt_buffer;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / (H * runs_per_head), h = task / runs_per_head % H;
-      const int64_t first = task % runs_per_head * blocks_per_run * block;
-      const int64_t last = std::min(L, first + blocks_per_run * block);
+      const int64_t first = task % runs_per_head * rows_per_run, last = std::min(L, first + rows_per_run);
       if (first >= last) {
         continue;
       }
       const int64_t run_keys = keys_read(first, last - first, S, is_causal);
-      const float* kt = transpose_head(k_rows, n, h, run_keys, D, kt_buffer);
+      const float* kt = transpose_head(p.k_rows, n, h, run_keys, D, kt_buffer);
       for (int64_t l0 = first; l0 < last; l0 += block) {
-        const int64_t rows = std::min(block, last - l0);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        std::fill(max.begin(), max.end(), -INFINITY);
-        std::fill(sum.begin(), sum.end(), 0.f);
-        int64_t mask_ld = 0;
-        const float* mask_row = mask_rows<float>(mask, n, h, l0, &mask_ld);
-        const int64_t keys = keys_read(l0, rows, S, is_causal);
-        for (int64_t s0 = 0; s0 < keys; s0 += key_block) {
-          const int64_t cols = std::min(key_block, keys - s0);
-          matmul(rows, cols, D, q_rows(n, h, l0), q_rows.ld, kt + s0, run_keys, scores.data(), key_block);
-          online_softmax_rows({scores.data(), key_block, scale, mask_row == nullptr ? nullptr : mask_row + s0,
-                               mask_ld, is_causal, l0 - s0, max.data(), sum.data(), acc.data(), D, D, rows, cols});
-          matmul(rows, D, cols, scores.data(), key_block, v_rows(n, h, s0), v_rows.ld, acc.data(), D,
-                 /*accumulate=*/true);
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          const bool any = sum[r] > 0.f;
-          const float inverse = any ? 1.f / sum[r] : 0.f;
-          float* out = heads_data + ((l0 + r) * N + n) * H * D + h * D;
-          for (int64_t d = 0; d < D; ++d) {
-            out[d] = acc[r * D + d] * inverse;
-          }
-          lse_data[(n * H + h) * L + l0 + r] = any ? max[r] + std::log(sum[r]) : INFINITY;
-        }
+        forward_block(p, scratch, n, h, l0, std::min(block, last - l0), kt, run_keys);
       }
     }
   });
