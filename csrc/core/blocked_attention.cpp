@@ -383,8 +383,14 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
   const int64_t scores = q.size(2) * k.size(2);
   const auto dtype = q.scalar_type();
   if (dtype == at::kBFloat16 || dtype == at::kHalf) {
-    const bool native_fp16 = dtype == at::kHalf && cpu_has_avx512_fp16();
-    return !cpu_has_amx(dtype) && ((dtype == at::kHalf && with_grad) || (!native_fp16 && scores >= 128 * 128));
+    if (cpu_has_amx(dtype)) {
+      return false;
+    }
+    if (dtype == at::kHalf && with_grad) {
+      return true;
+    }
+    const bool sdpa_native = dtype == at::kHalf && cpu_has_avx512_fp16();  // its float16 GEMMs
+    return !sdpa_native && scores >= 128 * 128;
   }
   if (is_causal) {
     return scores >= 128 * 128;

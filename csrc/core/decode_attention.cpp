@@ -257,8 +257,7 @@ constexpr int64_t kPrefillBlockedRows = 64;
 bool prefill_takes_blocked_kernel(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const StepLengths& step,
                                   const OptionalTensor& padding) {
   static const std::optional<bool> forced = settings::read_switch("TORCHMHA_PREFILL_BLOCKED");
-  if (forced == false || is_present(padding) || q.scalar_type() == at::kDouble ||
-      q.size(2) < (forced == true ? 1 : kPrefillBlockedRows) ||
+  if (forced == false || is_present(padding) || q.size(2) < (forced == true ? 1 : kPrefillBlockedRows) ||
       std::any_of(step.before.begin(), step.before.end(), [](int64_t l) { return l != 0; })) {
     return false;
   }

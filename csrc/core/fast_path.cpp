@@ -156,7 +156,8 @@ bool weights_kernel_beats_fast_path(const ForwardCall& call, int64_t embed_dim, 
   // TORCHMHA_FAST_PATH_WEIGHTS_KERNEL: 0 keeps the fused kernel, 1 takes ours at every size.
   static const std::optional<bool> forced = settings::read_switch("TORCHMHA_FAST_PATH_WEIGHTS_KERNEL");
   const Tensor& query = call.query;
-  if ((forced.has_value() && !*forced) || !call.need_weights || query.is_nested() || !explicit_kernel_serves(query.device(), query.scalar_type())) {
+  if (forced == false || !call.need_weights || query.is_nested() ||
+      !explicit_kernel_serves(query.device(), query.scalar_type())) {
     return false;
   }
   // Well-formed: (N, L, E) self-attention with masks in the shapes merge_masks expects, not
