@@ -13,7 +13,7 @@ export TORCHMHA_BUILD_DIR := $(abspath build)
 # Whether `import torchmha` finds this tree's package (an editable install of another clone would not do).
 export INSTALLED_HERE := import pathlib, torchmha; assert pathlib.Path(torchmha.__file__).resolve().parents[1] == pathlib.Path("python").resolve()
 
-.PHONY: deps build demo run-demo check test test-cpp test-python test-package test-wheel test-distributed test-sanitizers test-fuzz bench clean
+.PHONY: deps build demo run-demo check test test-cpp test-python test-package test-wheel test-torch test-distributed test-sanitizers test-fuzz bench clean
 
 # Once per machine (make demo and make test run it): torch, the test packages, CMake, GoogleTest, clang.
 deps:
@@ -86,8 +86,15 @@ FUZZ_SECONDS ?= 60
 test-fuzz:
 	PYTHON=$(PYTHON) FUZZ_SECONDS=$(FUZZ_SECONDS) bash scripts/run_fuzzer.sh
 
+# torch as most users have it: TORCH_CHECK's default (CUDA) wheel in a virtual environment of its own,
+# torchmha built there without a CUDA toolkit (the machine's is hidden), then the quick suite.
+# The project machines' pip takes torch 2.14.1 from their disk; any release: scripts/check_torch.sh.
+TORCH_CHECK ?= 2.14.1
+test-torch:
+	PYTHON=$(PYTHON) bash scripts/check_torch.sh $(TORCH_CHECK) none
+
 test: deps
-	$(MAKE) test-cpp test-package test-python test-wheel test-sanitizers test-fuzz
+	$(MAKE) test-cpp test-package test-python test-wheel test-torch test-sanitizers test-fuzz
 
 bench: build
 	$(PYTHON) benchmarks/run.py --quick

@@ -29,6 +29,36 @@ VERSION = (ROOT / "VERSION").read_text().strip()  # the one version source (CMak
 
 MAKING_SDIST = "sdist" in sys.argv[1:]  # the source needs no torch, and names none
 
+# The torch releases torchmha supports, in pip's form (CMake reads the same file).
+TORCH_REQUIREMENT = (ROOT / "TORCH_REQUIREMENT").read_text().strip()  # torch>=2.13,<2.16
+TORCH_MIN, TORCH_BELOW = (part.lstrip("<>=") for part in TORCH_REQUIREMENT[len("torch"):].split(","))
+CMAKE_MIN = (3, 18)
+
+
+def release(version: str) -> tuple:
+    """(2, 14) of 2.14.1+cu130, for comparing releases."""
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+
+
+def check_build_tools() -> None:
+    """Stop at once, with what was found and what is needed, before CMake runs."""
+    if not (release(TORCH_MIN) <= release(torch.__version__) < release(TORCH_BELOW)):
+        sys.exit(f"torchmha supports {TORCH_REQUIREMENT}, and torch {torch.__version__} is installed here. "
+                 f"Install a torch in that range first (pip install '{TORCH_REQUIREMENT}').")
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        sys.exit(f"torchmha builds with CMake >= {'.'.join(map(str, CMAKE_MIN))}, and no cmake is on the PATH: "
+                 "install it (pip install cmake, or your system's package).")
+    found = subprocess.run([cmake, "--version"], capture_output=True, text=True).stdout.split()[2]
+    if release(found) < CMAKE_MIN:
+        sys.exit(f"torchmha builds with CMake >= {'.'.join(map(str, CMAKE_MIN))}, and the cmake on the PATH is {found}: "
+                 "install a newer one (pip install cmake).")
+    compiler = os.environ.get("CXX") or next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    if compiler is None or shutil.which(compiler.split()[0]) is None:
+        sys.exit("torchmha needs a C++17 compiler (g++ >= 9 or clang >= 10), and none was found "
+                 f"({'CXX=' + compiler if compiler else 'no c++, g++ or clang++ on the PATH'}): install one, or set CXX.")
+
+
 try:
     import torch
 except ImportError:
@@ -36,7 +66,7 @@ except ImportError:
         sys.exit(
             "torchmha builds against the torch installed in this environment, and none is installed here.\n"
             "Install torch first, then build without build isolation:\n"
-            "    pip install torch\n"
+            f"    pip install '{TORCH_REQUIREMENT}'\n"
             "    pip install --no-build-isolation <path to torchmha, or its sdist>"
         )
 
@@ -50,7 +80,7 @@ def torch_pin_and_tag():
 
 
 if MAKING_SDIST:
-    version, requirements = VERSION, ["torch"]
+    version, requirements = VERSION, [TORCH_REQUIREMENT]
 else:
     pin, tag = torch_pin_and_tag()
     version, requirements = f"{VERSION}+{tag}", [pin]  # wheels for two torches never share a name
@@ -69,6 +99,7 @@ class CMakeBuild(build_ext):
         return (Path(self.build_temp) / tag).resolve()
 
     def build_extension(self, ext: Extension) -> None:
+        check_build_tools()
         build_dir = self._build_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
         own_tree = "TORCHMHA_BUILD_DIR" not in os.environ

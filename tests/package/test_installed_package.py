@@ -1,5 +1,5 @@
 """The package as a user installs it (run by scripts/test_package.sh, not by the main suite):
-the wheel and the sdist, each installed in a fresh virtual environment. Paths come from the
+the sdist, and the wheel built from it and installed in a fresh virtual environment. Paths come from the
 environment: TORCHMHA_WHEEL, TORCHMHA_SDIST, TORCHMHA_VENV_PYTHONS (the venvs' interpreters,
 separated by ':')."""
 
@@ -57,7 +57,7 @@ def test_wheel_binaries_find_only_the_package_and_torch(tmp_path):
 def test_sdist_holds_what_the_build_needs_and_no_build_products():
     with tarfile.open(SDIST) as sdist:
         names = {Path(*Path(n).parts[1:]).as_posix() for n in sdist.getnames()}
-    for needed in ("CMakeLists.txt", "VERSION", "LICENSE", "README.md", "setup.py", "pyproject.toml",
+    for needed in ("CMakeLists.txt", "VERSION", "TORCH_REQUIREMENT", "cmake/TorchMHAFindTorch.cmake", "LICENSE", "README.md", "setup.py", "pyproject.toml",
                    "cmake/TorchMHAConfig.cmake.in", "cmake/version.h.in", "cmake/build_info.py.in",
                    "csrc/register_ops.cpp", "csrc/core/multi_head_attention.cpp",
                    "csrc/include/torchmha/torchmha.h", "python/torchmha/py.typed", "python/torchmha/_C.pyi"):
