@@ -290,15 +290,14 @@ void bind_layers(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torchmha C++ extension: registers torch.ops.torchmha and binds the C++ modules.";
 
-  // Registered after torch's own translator, so it is tried first; anything else falls through.
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) {
-        std::rethrow_exception(p);
-      }
-    } catch (const torchmha::ArgumentError& e) {
-      PyErr_SetString(PyExc_AssertionError, e.what_without_backtrace());
-    }
+  // ArgumentError is raised as Python's AssertionError where it is thrown, so it reaches Python
+  // as such through every path: this extension's bindings and torch.ops on every torch release
+  // (from 2.15 on torch.ops turns any other c10::Error into RuntimeError before pybind11's
+  // translators see it).
+  torchmha::detail::set_argument_error_translator([](const torchmha::ArgumentError& e) {
+    py::gil_scoped_acquire gil;
+    PyErr_SetString(PyExc_AssertionError, e.what_without_backtrace());
+    throw py::error_already_set();
   });
 
   m.attr("__version__") = TORCHMHA_VERSION;

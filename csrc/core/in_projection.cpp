@@ -109,12 +109,15 @@ void check_in_projection(
 
 namespace {
 
-// at::linear on the (len, N, E) layout that torch's functional forward projects. The layout only
-// matters for a bias whose dtype is not the input's: at::linear promotes it on a strided 3-D input
-// (matmul, then add) and rejects it on a contiguous one (addmm), and torch's module hands
-// batch_first inputs over transposed.
+// at::linear on the (len, N, E) layout that torch's functional forward projects (torch's module
+// hands batch_first inputs over transposed). The layout matters in two cases, where at::linear
+// takes another op on a strided 3-D input (matmul, then add) than on a contiguous one (addmm):
+// a bias whose dtype is not the input's (promoted by the one, rejected by the other), and an input
+// whose features do not fit the weight (the error names the op from torch 2.15 on).
 Tensor linear_in_torch_layout(const Tensor& x, const Tensor& weight, const OptionalTensor& bias, bool batch_first) {
-  if (!batch_first || x.dim() != 3 || !is_present(bias) || bias->scalar_type() == x.scalar_type()) {
+  const bool bias_of_other_dtype = is_present(bias) && bias->scalar_type() != x.scalar_type();
+  const bool misfit = x.dim() == 3 && weight.dim() == 2 && x.size(-1) != weight.size(1);
+  if (!batch_first || x.dim() != 3 || !(bias_of_other_dtype || misfit)) {
     return linear_layer(x, weight, bias);
   }
   return at::linear(x.transpose(0, 1), weight, bias).transpose(0, 1);

@@ -314,3 +314,29 @@ def test_fuzz_valid_and_invalid_calls_behave_like_torch(case):
     with torch.set_grad_enabled(call["mode"] == "train"):
         assert_same_behaviour(lambda: ref(q, k, v, **kwargs), lambda: ours(q, k, v, **kwargs), f"{case}",
                               ref_without_empty_masks=lambda: ref(q, k, v, **unmasked))
+
+
+# ------------------------------------------------------------------- every path to Python
+def _raised(call):
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the type is what is compared
+        return type(error)
+    return None
+
+
+@pytest.mark.parametrize("path", ["torch.ops", "C++ binding", "torch.compile"])
+def test_an_argument_error_reaches_python_as_torchs_type_on_every_path(path):
+    """A malformed call raises torch's exception type whichever way it reaches the core: through
+    torch.ops (where torch 2.15 turns a plain c10::Error into RuntimeError), this extension's own
+    bindings, and a compiled module (errors at trace time)."""
+    ref, ours = mha_pair(E, H, dtype=torch.float32)
+    x = x3()[None]  # 4-D query: AssertionError in torch
+    if path == "C++ binding":
+        ours = torchmha.cpp.MultiheadAttention(E, H).forward
+    elif path == "torch.compile":
+        torch._dynamo.reset()
+        ref, ours = torch.compile(ref, backend="eager"), torch.compile(ours, backend="eager")
+    expected = _raised(lambda: ref(x, x, x))  # compiled: the type dynamo wraps it in
+    assert expected is not None and (path == "torch.compile" or issubclass(expected, AssertionError)), expected
+    assert _raised(lambda: ours(x, x, x)) is expected
