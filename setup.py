@@ -55,7 +55,8 @@ def check_build_tools() -> None:
                  "install a newer one (pip install cmake).")
     compiler = os.environ.get("CXX") or next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
     if compiler is None or shutil.which(compiler.split()[0]) is None:
-        sys.exit("torchmha needs a C++17 compiler (g++ >= 9 or clang >= 10), and none was found "
+        sys.exit("torchmha needs a C++ compiler (C++17 for torch 2.13, C++20 from 2.14: g++ >= 10 or clang >= 10), "
+                 "and none was found "
                  f"({'CXX=' + compiler if compiler else 'no c++, g++ or clang++ on the PATH'}): install one, or set CXX.")
 
 

@@ -17,8 +17,8 @@
 # min and below bound the supported releases (torch>=min,<below). A `torch` target that the program
 # already has (its own find_package(Torch) first) is kept.
 #
-# TORCHMHA_CUDA_TOOLKIT_MODE: AUTO (torch's package where CMake's FindCUDAToolkit finds a toolkit
-# with its runtime headers and library), ON (insist on it), OFF (never).
+# TORCHMHA_CUDA_TOOLKIT_MODE: AUTO (torch's package where a CUDA toolkit is found that it accepts),
+# ON (insist on one), OFF (never).
 
 set(TORCHMHA_CUDA_TOOLKIT_MODE "AUTO" CACHE STRING
     "With a CUDA build of torch: use torch's CMake package and a CUDA toolkit (ON), never (OFF), or where one is found (AUTO)")
@@ -110,31 +110,27 @@ function(torchmha_find_torch min below)
   set(toolkit "")
   if(TARGET torch)
     # the program found torch itself (it needed torch's package anyway): nothing to define
-  elseif(cuda AND NOT TORCHMHA_CUDA_TOOLKIT_MODE STREQUAL "OFF")
-    _torchmha_probe_cuda_toolkit("${TORCHMHA_TORCH_CONFIG_DIR}" toolkit why)
+  elseif(NOT cuda)
+    find_package(Torch REQUIRED CONFIG PATHS "${TORCHMHA_TORCH_CONFIG_DIR}" NO_DEFAULT_PATH)
+  else()
+    set(why "TORCHMHA_CUDA_TOOLKIT_MODE=OFF")
+    if(NOT TORCHMHA_CUDA_TOOLKIT_MODE STREQUAL "OFF")
+      _torchmha_probe_cuda_toolkit("${TORCHMHA_TORCH_CONFIG_DIR}" toolkit why)
+    endif()
     if(toolkit)
+      message(STATUS "torchmha: torch ${version} is a CUDA ${cuda} build; using the CUDA toolkit ${toolkit} at "
+                     "${TORCHMHA_CUDA_TOOLKIT_ROOT} through torch's CMake package (TORCHMHA_CUDA_TOOLKIT_MODE=OFF builds without it)")
       set(CUDA_TOOLKIT_ROOT_DIR "${TORCHMHA_CUDA_TOOLKIT_ROOT}" CACHE PATH "The CUDA toolkit torch's CMake package uses")
       set(CMAKE_CUDA_COMPILER "${TORCHMHA_CUDA_TOOLKIT_ROOT}/bin/nvcc" CACHE FILEPATH "nvcc of that toolkit")
+      find_package(Torch REQUIRED CONFIG PATHS "${TORCHMHA_TORCH_CONFIG_DIR}" NO_DEFAULT_PATH)
     elseif(TORCHMHA_CUDA_TOOLKIT_MODE STREQUAL "ON")
       message(FATAL_ERROR "TORCHMHA_CUDA_TOOLKIT_MODE=ON, but ${why}. Point CMake at a complete toolkit with "
                           "-DCUDAToolkit_ROOT=<toolkit>, or use AUTO or OFF: torchmha builds without a toolkit.")
+    else()
+      message(STATUS "torchmha: torch ${version} is a CUDA ${cuda} build; building without a CUDA toolkit, which "
+                     "torchmha does not need: CUDA tensors run through ATen's kernels in libtorch_cuda (${why})")
+      _torchmha_torch_target("${prefix}")
     endif()
-  endif()
-
-  if(TARGET torch)
-  elseif(NOT cuda)
-    find_package(Torch REQUIRED CONFIG PATHS "${TORCHMHA_TORCH_CONFIG_DIR}" NO_DEFAULT_PATH)
-  elseif(toolkit)
-    message(STATUS "torchmha: torch ${version} is a CUDA ${cuda} build; using the CUDA toolkit ${toolkit} at "
-                   "${TORCHMHA_CUDA_TOOLKIT_ROOT} through torch's CMake package (TORCHMHA_CUDA_TOOLKIT_MODE=OFF builds without it)")
-    find_package(Torch REQUIRED CONFIG PATHS "${TORCHMHA_TORCH_CONFIG_DIR}" NO_DEFAULT_PATH)
-  else()
-    if(NOT why)
-      set(why "TORCHMHA_CUDA_TOOLKIT_MODE=OFF")
-    endif()
-    message(STATUS "torchmha: torch ${version} is a CUDA ${cuda} build; building without a CUDA toolkit, which "
-                   "torchmha does not need: CUDA tensors run through ATen's kernels in libtorch_cuda (${why})")
-    _torchmha_torch_target("${prefix}")
   endif()
 
   set(TORCH_INSTALL_PREFIX "${prefix}" PARENT_SCOPE)

@@ -28,20 +28,18 @@ fi
 "$venv/bin/python" -m pip install -q -r tests/requirements.txt setuptools wheel >> "$work.pip.log" 2>&1
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
 
-# The folders to hide for the toolkit situation asked for.
-hide=()
+# The folders to hide for the toolkit situation asked for: the toolkits under /usr/local (not their
+# symlinks), and for none also the folder of the nvcc on the PATH (a wrapper script there, here).
+toolkits=()
+for dir in /usr/local/cuda*; do [ -d "$dir" ] && [ ! -L "$dir" ] && toolkits+=("$dir"); done
 nvcc=$(command -v nvcc || true)
+hide=()
 case $toolkit in
   none)
-    for dir in /usr/local/cuda*; do [ -d "$dir" ] && [ ! -L "$dir" ] && hide+=("$dir"); done
-    [ -n "$nvcc" ] && hide+=("$(dirname "$nvcc")")
+    hide=("${toolkits[@]}")
+    if [ -n "$nvcc" ]; then hide+=("$(dirname "$nvcc")"); fi
     ;;
-  partial)
-    [ -n "$nvcc" ] || { echo "partial: no nvcc on the PATH to keep"; exit 1; }
-    real=$(readlink -f "$(sed -n 's/^exec \([^ ]*nvcc\) .*/\1/p' "$nvcc" 2>/dev/null || true)" || true)
-    [ -n "$real" ] || real=$(readlink -f "$nvcc")
-    hide+=("$(dirname "$(dirname "$real")")/include")
-    ;;
+  partial) for dir in "${toolkits[@]}"; do hide+=("$dir/include"); done ;;
   full) ;;
   *) echo "toolkit must be none, partial or full"; exit 2 ;;
 esac
