@@ -93,8 +93,10 @@ TORCH_CHECK ?= 2.14.1
 test-torch:
 	PYTHON=$(PYTHON) bash scripts/check_torch.sh $(TORCH_CHECK) none
 
+# Every stage, with a table at the end of what ran, what failed, what was not run, and the time each took.
+TEST_STAGES := test-cpp test-package test-python test-wheel test-torch test-sanitizers test-fuzz
 test: deps
-	$(MAKE) test-cpp test-package test-python test-wheel test-torch test-sanitizers test-fuzz
+	MAKE="$(MAKE)" bash scripts/run_stages.sh $(TEST_STAGES)
 
 bench: build
 	$(PYTHON) benchmarks/run.py --quick

@@ -17,6 +17,10 @@ version=${1:?usage: scripts/check_torch.sh TORCH_VERSION [none|partial|full]}
 toolkit=${2:-none}
 PYTHON=${PYTHON:-python3}
 work=$root/build/torch-$version
+# As a user builds it: not the development tree that make's exports point at (make test runs this
+# after building build/ against another torch, and setup.py would reconfigure that tree), and no
+# binaries of that tree for the suite to run.
+unset TORCHMHA_BUILD_DIR TORCHMHA_PYTHON TORCH_CMAKE_PREFIX_PATH TORCHMHA_CPP_EXAMPLE TORCHMHA_DEPLOY_EXAMPLE
 venv=$work/venv
 
 echo "== torch $version, CUDA toolkit: $toolkit ($work)"
