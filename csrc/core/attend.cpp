@@ -8,6 +8,8 @@
 #include "explicit_attention.h"
 #include "in_projection.h"
 
+#include "cpu/kernels.h"
+
 #include <ATen/TensorOperators.h>
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <ATen/core/grad_mode.h>
@@ -101,7 +103,7 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalT
   const Tensor mask_or_none = is_present(mask) ? *mask : Tensor();
   const bool with_grad = records_grad({q, k, v});
   if (dropout_p > 0.0 || transformed({q, k, v, mask_or_none}) || records_grad({mask_or_none}) ||
-      !blocked_kernel_applies(q, k, v, mask) || !blocked_kernel_pays_off(q, k, is_causal, with_grad)) {
+      !cpu::blocked_kernel_applies(q, k, v, mask) || !cpu::blocked_kernel_pays_off(q, k, is_causal, with_grad)) {
     return at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal);
   }
   return with_grad ? blocked_attention_differentiable(q, k, v, mask, is_causal)
@@ -114,13 +116,13 @@ std::pair<Tensor, Tensor> attend_with_weights(const Tensor& q, const Tensor& k, 
   // left to the composition too (the kernels' backward gives none), and so are small heads.
   const Tensor mask_or_none = is_present(mask) ? *mask : Tensor();
   if (dropout_p > 0.0 || transformed({q, k, v, mask_or_none}) || records_grad({mask_or_none}) ||
-      !explicit_kernel_pays_off(q.size(2), k.size(2))) {
+      !cpu::explicit_kernel_pays_off(q.size(2), k.size(2))) {
     return attention_with_weights_composition(q, k, v, mask, dropout_p, average);
   }
   if (!records_grad({q, k, v})) {
     return attention_with_weights(q, k, v, mask, average);  // the op: a kernel per device
   }
-  if (explicit_kernel_applies(q, k, v, mask)) {
+  if (cpu::explicit_kernel_applies(q, k, v, mask)) {
     return attention_with_weights_differentiable(q, k, v, mask, average);
   }
   return attention_with_weights_composition(q, k, v, mask, dropout_p, average);

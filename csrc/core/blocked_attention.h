@@ -29,16 +29,8 @@ std::tuple<Tensor, Tensor> blocked_attention(const Tensor& q, const Tensor& k, c
 Tensor blocked_attention_differentiable(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
                                         bool is_causal);
 
-/// Whether the CPU kernel takes these inputs: CPU, float32/bfloat16/float16, AVX2 or AVX-512,
-/// shapes that agree, rows contiguous along D, a mask of q's dtype with contiguous rows.
-bool blocked_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask);
-/// Whether the kernel beats SDPA for this size, dtype and CPU, forward only or with the backward
-/// (measured: benchmarks/README, issue 14). TORCHMHA_BLOCKED_KERNEL=1 takes it wherever it applies,
-/// 0 never (tests, comparisons).
-bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, bool with_grad);
-
-/// The op's kernels: the ATen composition (any device), and the CPU kernel (the composition where
-/// blocked_kernel_applies does not hold).
+/// The op's kernels: the ATen composition (any device), and on the CPU torchmha's kernel
+/// (csrc/cpu/kernels.h), the composition where it does not take the inputs.
 std::tuple<Tensor, Tensor> blocked_attention_reference(const Tensor& q, const Tensor& k, const Tensor& v,
                                                        const OptionalTensor& mask, bool is_causal);
 std::tuple<Tensor, Tensor> blocked_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v,

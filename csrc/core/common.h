@@ -1,29 +1,21 @@
 #pragma once
 
-// Private to libtorchmha (not installed): the core's vocabulary. An absent tensor is
-// std::optional<at::Tensor> everywhere in the core, as in the op schemas ("Tensor?") and in
-// at::linear / at::scaled_dot_product_attention, so it is never converted on the way through.
-// LibTorch modules hold an absent parameter as an undefined tensor; they convert once, when
-// they call the core (optional_if_defined).
+// Private to libtorchmha (not installed): the core's vocabulary. An absent tensor is an
+// OptionalTensor (common/optional_tensor.h, shared with the CPU kernels) everywhere in the core.
+
+#include "common/optional_tensor.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/StringUtil.h>
 
-#include <optional>
 #include <string>
 
 namespace torchmha::core {
 
 using at::Tensor;
-using OptionalTensor = std::optional<at::Tensor>;
-
-inline bool is_present(const OptionalTensor& t) {
-  return t.has_value() && t->defined();
-}
-
-inline OptionalTensor optional_if_defined(const Tensor& t) {
-  return t.defined() ? OptionalTensor(t) : std::nullopt;
-}
+using torchmha::OptionalTensor;
+using torchmha::is_present;
+using torchmha::optional_if_defined;
 
 // Query, key and value layouts: (len, N, E), or (N, len, E) with batch_first.
 inline int64_t batch_dim(bool batch_first) {

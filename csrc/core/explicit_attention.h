@@ -34,16 +34,6 @@ std::pair<Tensor, Tensor> attention_with_weights_composition(const Tensor& q, co
 /// for backward; double backward through the composition), where explicit_kernel_applies.
 std::pair<Tensor, Tensor> attention_with_weights_differentiable(const Tensor& q, const Tensor& k, const Tensor& v,
                                                                 const OptionalTensor& mask, bool average);
-/// Whether the CPU kernels take these inputs (CPU, float or double, AVX2/AVX-512, a mask whose rows
-/// are contiguous).
-bool explicit_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask);
-/// Whether the CPU kernels serve this device and dtype (CPU, float or double, AVX2/AVX-512).
-bool explicit_kernel_serves(const at::Device& device, at::ScalarType dtype);
-/// Whether a head's L x S scores are many enough for the kernels: every size (they beat or tie the
-/// composition's batched GEMMs at every size measured), unless TORCHMHA_MIN_KERNEL_SCORES sets a
-/// threshold (a large value keeps the composition, for comparisons).
-bool explicit_kernel_pays_off(int64_t L, int64_t S);
-
 /// The op's kernels: the composition without dropout (any device), and torchmha's CPU kernel
 /// (float and double on AVX2/AVX-512 CPUs; the composition otherwise).
 std::tuple<Tensor, Tensor> attention_with_weights_reference(const Tensor& q, const Tensor& k, const Tensor& v,

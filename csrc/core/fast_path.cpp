@@ -4,7 +4,9 @@
 
 #include "attend.h"
 #include "explicit_attention.h"
-#include "settings.h"
+
+#include "common/settings.h"
+#include "cpu/kernels.h"
 
 #include <ATen/autocast_mode.h>
 
@@ -157,7 +159,7 @@ bool weights_kernel_beats_fast_path(const ForwardCall& call, int64_t embed_dim, 
   static const std::optional<bool> forced = settings::read_switch("TORCHMHA_FAST_PATH_WEIGHTS_KERNEL");
   const Tensor& query = call.query;
   if (forced == false || !call.need_weights || query.is_nested() ||
-      !explicit_kernel_serves(query.device(), query.scalar_type())) {
+      !cpu::explicit_kernel_serves(query.device(), query.scalar_type())) {
     return false;
   }
   // Well-formed: (N, L, E) self-attention with masks in the shapes merge_masks expects, not
@@ -166,7 +168,7 @@ bool weights_kernel_beats_fast_path(const ForwardCall& call, int64_t embed_dim, 
   const auto& padding = call.key_padding_mask;
   const auto& mask = call.attn_mask;
   return N > 0 && L > 0 && query.size(2) == embed_dim && !call.is_causal &&
-      (forced.value_or(false) || explicit_kernel_pays_off(L, L)) &&
+      (forced.value_or(false) || cpu::explicit_kernel_pays_off(L, L)) &&
       (!is_present(padding) || padding->sizes() == at::IntArrayRef{N, L}) &&
       (!is_present(mask) || mask->sizes() == at::IntArrayRef{L, L} ||
        mask->sizes() == at::IntArrayRef{N * num_heads, L, L});

@@ -59,7 +59,8 @@ def test_sdist_holds_what_the_build_needs_and_no_build_products():
         names = {Path(*Path(n).parts[1:]).as_posix() for n in sdist.getnames()}
     for needed in ("CMakeLists.txt", "VERSION", "TORCH_REQUIREMENT", "cmake/TorchMHAFindTorch.cmake", "LICENSE", "README.md", "setup.py", "pyproject.toml",
                    "cmake/TorchMHAConfig.cmake.in", "cmake/version.h.in", "cmake/build_info.py.in",
-                   "csrc/register_ops.cpp", "csrc/core/multi_head_attention.cpp",
+                   "csrc/register_ops.cpp", "csrc/core/multi_head_attention.cpp", "csrc/cpu/kernels.h",
+                   "csrc/cpu/vec/decode_kernel_avx512.cpp", "csrc/common/settings.cpp",
                    "csrc/include/torchmha/torchmha.h", "python/torchmha/py.typed", "python/torchmha/_C.pyi"):
         assert needed in names, needed
     assert not [n for n in names if n.endswith(".so") or n.endswith("_build_info.py")]

@@ -1,4 +1,4 @@
-"""torchmha's blocked attention kernel (csrc/core/blocked_attention.cpp): attention without its
+"""torchmha's blocked attention kernel (csrc/cpu/blocked_attention_kernel.cpp): attention without its
 weights by blocks of queries and keys (flash attention's running softmax), forward and backward,
 float32 and bfloat16/float16 (computed in float32). The core takes it where it beats SDPA on the
 running machine; this suite runs it wherever it applies (conftest.py), and the rule itself is
@@ -259,7 +259,7 @@ def test_the_kernel_runs_where_it_was_measured_faster_than_sdpa():
     """Without the suite's setting: bfloat16 from 128^2 scores a head, float16 in training (and
     forward from 128^2 without AVX512-FP16), float32 causal from 128^2; float32 otherwise from 64^2
     (training) or 128^2 (forward), up to 512^2 and 256^2 on Intel; SDPA elsewhere
-    (blocked_attention.cpp, benchmarks/README). Both vendors' rules are checked as on the CPUs
+    (blocked_attention_kernel.cpp, benchmarks/README). Both vendors' rules are checked as on the CPUs
     measured (the AMD EPYC without AVX512-FP16, the Intel Xeon with it), forced by
     TORCHMHA_CPU_VENDOR and TORCHMHA_AVX512_FP16, without AMX (TORCHMHA_AMX=0); then this CPU."""
     unset = ("TORCHMHA_BLOCKED_KERNEL", "TORCHMHA_CPU_VENDOR", "TORCHMHA_AVX512_FP16")

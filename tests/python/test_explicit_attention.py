@@ -1,4 +1,4 @@
-"""torchmha's explicit-weights kernel (csrc/core/explicit_attention.cpp): where the weights are
+"""torchmha's explicit-weights kernel (csrc/cpu/explicit_attention_kernel.cpp): where the weights are
 returned and no gradient or dropout is needed (eval, no_grad, inference_mode), the attention runs
 through blocks of query rows without the (N, H, L, S) scores. Its results against torch's module,
 odd sizes and every kind of mask, and the proof that it runs, and only there."""

@@ -104,7 +104,7 @@ def test_long_sequences_at_different_lengths_split_over_threads(dtype):
 
 
 # A step into caches already holding rows (the decode kernel), and a prefill of 70 rows into empty
-# caches (the blocked kernel in float32/bfloat16/float16, decode_attention.cpp): (T, M, before, added).
+# caches (the blocked kernel in float32/bfloat16/float16, decode_attention_kernel.cpp): (T, M, before, added).
 STEPS = {"step": (2, 9, [3, 0, 6], [2, 0, 1]), "prefill": (70, 80, [0, 0, 0], [70, 0, 33])}
 
 
@@ -155,7 +155,7 @@ def decode_runs_sdpa(T, dtype=torch.bfloat16):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_decode_kernel_rule_takes_every_step_and_prefill(dtype):
     """The kernel runs in every floating dtype, for a step and for a long prefill alike (it beat
-    the composition at every size measured: decode_attention.cpp)."""
+    the composition at every size measured: decode_attention_kernel.cpp)."""
     assert not decode_runs_sdpa(1, dtype) and not decode_runs_sdpa(40, dtype)
 
 
@@ -176,7 +176,7 @@ def prefill_runs_blocked(T, before=(0, 0), padded=False):
 
 
 def test_prefill_rule_takes_the_blocked_kernel_into_empty_caches():
-    """From 64 rows into empty caches without padding (decode_attention.cpp: prefill_takes_blocked_kernel)."""
+    """From 64 rows into empty caches without padding (decode_attention_kernel.cpp: prefill_takes_blocked_kernel)."""
     assert prefill_runs_blocked(64) and prefill_runs_blocked(100)
     assert not prefill_runs_blocked(63) and not prefill_runs_blocked(64, before=(0, 1))
     assert not prefill_runs_blocked(64, padded=True)

@@ -1,4 +1,4 @@
-"""The small-batch linear op (csrc/core/small_linear.cpp, linear_kernel_impl.h): a decoding step's
+"""The small-batch linear op (csrc/core/small_linear.cpp, csrc/cpu/small_linear_kernel.cpp): a decoding step's
 linear layers, y = x W^T + b for at most 8 rows of x, by torchmha's CPU kernel."""
 
 import pytest

@@ -10,7 +10,7 @@
 #include <optional>
 #include <string>
 
-namespace torchmha::core::settings {
+namespace torchmha::settings {
 
 /// "0" or "1": false or true.
 std::optional<bool> read_switch(const char* name);
@@ -21,4 +21,4 @@ std::optional<int64_t> read_count(const char* name, const char* unit);
 /// One of `choices`, exactly as spelled there.
 std::optional<std::string> read_choice(const char* name, std::initializer_list<const char*> choices);
 
-}  // namespace torchmha::core::settings
+}  // namespace torchmha::settings

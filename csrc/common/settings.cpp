@@ -6,7 +6,7 @@
 
 #include <cstdlib>
 
-namespace torchmha::core::settings {
+namespace torchmha::settings {
 namespace {
 
 const char* value_of(const char* name) {
@@ -53,4 +53,4 @@ std::optional<std::string> read_choice(const char* name, std::initializer_list<c
   TORCH_CHECK_VALUE(false, name, " must be one of ", listed, ", but is '", value, "'");
 }
 
-}  // namespace torchmha::core::settings
+}  // namespace torchmha::settings

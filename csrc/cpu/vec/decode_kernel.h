@@ -1,9 +1,9 @@
 #pragma once
 
-// The inner loop of torchmha's CPU decode kernel (decode_attention.cpp), on raw pointers. It is
+// The inner loop of torchmha's CPU decode kernel (decode_attention_kernel.cpp), on raw pointers. It is
 // compiled twice, for AVX2/FMA and for AVX-512 (decode_kernel_avx2.cpp, decode_kernel_avx512.cpp
 // with decode_kernel_impl.h; CMakeLists.txt sets the flags), so at::vec is vectorized;
-// decode_attention.cpp picks the copy the CPU runs (else the ATen composition runs). This header
+// decode_attention_kernel.cpp picks the copy the CPU runs (else the ATen composition runs). This header
 // includes nothing of ATen's, so no inline function compiled for those sets can be shared with
 // the rest of the library.
 
@@ -14,7 +14,7 @@ struct BFloat16;
 struct Half;
 }  // namespace c10
 
-namespace torchmha::core::kernel {
+namespace torchmha::cpu::kernel {
 
 /// One decoding step's problem: N sequences x H heads, rows of length D.
 template <typename scalar_t>
@@ -44,4 +44,4 @@ void decode_heads(const DecodeProblem<c10::BFloat16>& p, int64_t begin, int64_t 
 void decode_heads(const DecodeProblem<c10::Half>& p, int64_t begin, int64_t end);
 }  // namespace avx512
 
-}  // namespace torchmha::core::kernel
+}  // namespace torchmha::cpu::kernel

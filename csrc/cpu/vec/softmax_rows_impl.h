@@ -12,7 +12,7 @@
 #include <algorithm>
 #include <cmath>
 
-namespace torchmha::core::kernel::TORCHMHA_KERNEL_ISA {
+namespace torchmha::cpu::kernel::TORCHMHA_KERNEL_ISA {
 namespace {
 
 template <typename scalar_t>
@@ -128,4 +128,4 @@ void softmax_rows(const SoftmaxRows<double>& p) { run(p); }
 void online_softmax_rows(const OnlineSoftmaxRows& p) { online_step(p); }
 void softmax_backward_rows(const SoftmaxBackwardRows& p) { backward_step(p); }
 
-}  // namespace torchmha::core::kernel::TORCHMHA_KERNEL_ISA
+}  // namespace torchmha::cpu::kernel::TORCHMHA_KERNEL_ISA

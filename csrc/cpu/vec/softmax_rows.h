@@ -1,15 +1,15 @@
 #pragma once
 
 // The row steps of torchmha's CPU attention kernels, on raw pointers: softmax of a block of score
-// rows in place with the running head average (explicit_attention.cpp), and the running softmax
-// over blocks of keys (blocked_attention.cpp). Compiled
+// rows in place with the running head average (explicit_attention_kernel.cpp), and the running softmax
+// over blocks of keys (blocked_attention_kernel.cpp). Compiled
 // twice, for AVX2/FMA and for AVX-512 (softmax_rows_{avx2,avx512}.cpp with softmax_rows_impl.h,
 // flags in CMakeLists.txt), like the decode kernel (decode_kernel.h); this header includes
 // nothing of ATen's for the same reason.
 
 #include <cstdint>
 
-namespace torchmha::core::kernel {
+namespace torchmha::cpu::kernel {
 
 /// `rows` rows of `cols` scores (row stride scores_ld) become softmax(scale * scores + mask) in place.
 /// With `sum`, each row of probabilities is also added to the matching row of `sum` (or stored
@@ -28,7 +28,7 @@ struct SoftmaxRows {
   int64_t rows, cols;
 };
 
-/// One block of keys in torchmha's blocked attention (blocked_attention.cpp), the running
+/// One block of keys in torchmha's blocked attention (blocked_attention_kernel.cpp), the running
 /// ("online") softmax of flash attention: the block's `rows` x `cols` scores (row stride
 /// scores_ld) become scale * scores + mask, with keys past row r's causal limit (key j > r +
 /// causal_offset, when `causal`) left out; then per row, with m the row's running max and m' the
@@ -81,4 +81,4 @@ void online_softmax_rows(const OnlineSoftmaxRows& p);
 void softmax_backward_rows(const SoftmaxBackwardRows& p);
 }  // namespace avx512
 
-}  // namespace torchmha::core::kernel
+}  // namespace torchmha::cpu::kernel

@@ -16,7 +16,7 @@
 #include <type_traits>
 #include <vector>
 
-namespace torchmha::core::kernel::TORCHMHA_KERNEL_ISA {
+namespace torchmha::cpu::kernel::TORCHMHA_KERNEL_ISA {
 namespace {
 
 template <typename scalar_t>
@@ -200,4 +200,4 @@ void decode_heads(const DecodeProblem<c10::Half>& p, int64_t begin, int64_t end)
   run(p, begin, end);
 }
 
-}  // namespace torchmha::core::kernel::TORCHMHA_KERNEL_ISA
+}  // namespace torchmha::cpu::kernel::TORCHMHA_KERNEL_ISA

@@ -1,11 +1,11 @@
 #pragma once
 
-// The per-head products of torchmha's CPU attention kernels (explicit_attention.cpp,
-// blocked_attention.cpp) on raw pointers, and the pointers they read: rows of a head, rows of a
+// The per-head products of torchmha's CPU attention kernels (explicit_attention_kernel.cpp,
+// blocked_attention_kernel.cpp) on raw pointers, and the pointers they read: rows of a head, rows of a
 // mask. Rows are contiguous (unit stride along the last dimension); the row strides are free.
 
-#include "common.h"
-#include "settings.h"
+#include "common/optional_tensor.h"
+#include "common/settings.h"
 
 #include <ATen/ATen.h>
 #include <ATen/native/CPUBlas.h>
@@ -14,7 +14,11 @@
 #include <limits>
 #include <type_traits>
 
-namespace torchmha::core::micro_gemm {
+namespace torchmha::cpu {
+using at::Tensor;
+}  // namespace torchmha::cpu
+
+namespace torchmha::cpu::micro_gemm {
 
 /// The 2-D (rows, cols) view of row-major data at `data` with row stride `ld`.
 inline Tensor matrix(void* data, int64_t rows, int64_t cols, int64_t ld, const at::TensorOptions& options) {
@@ -135,4 +139,4 @@ const scalar_t* mask_rows(const OptionalTensor& mask, int64_t n, int64_t h, int6
   return mask->const_data_ptr<scalar_t>() + n * stride(0) + h * stride(1) + l * stride(2);
 }
 
-}  // namespace torchmha::core::micro_gemm
+}  // namespace torchmha::cpu::micro_gemm

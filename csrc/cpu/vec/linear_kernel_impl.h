@@ -12,7 +12,7 @@
 
 #include <type_traits>
 
-namespace torchmha::core::kernel::TORCHMHA_KERNEL_ISA {
+namespace torchmha::cpu::kernel::TORCHMHA_KERNEL_ISA {
 namespace {
 
 using V = at::vec::Vectorized<float>;
@@ -105,4 +105,4 @@ void linear_rows(const LinearProblem<c10::Half>& p, int64_t begin, int64_t end) 
   run(p, begin, end);
 }
 
-}  // namespace torchmha::core::kernel::TORCHMHA_KERNEL_ISA
+}  // namespace torchmha::cpu::kernel::TORCHMHA_KERNEL_ISA

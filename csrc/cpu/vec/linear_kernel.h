@@ -1,6 +1,6 @@
 #pragma once
 
-// The inner loop of torchmha's small-batch linear kernel (small_linear.cpp), on raw pointers:
+// The inner loop of torchmha's small-batch linear kernel (small_linear_kernel.cpp), on raw pointers:
 // y = x W^T + b for a few rows of x, where the time is reading W once. Built for AVX2/FMA and for
 // AVX-512 (linear_kernel_{avx2,avx512}.cpp with linear_kernel_impl.h), like decode_kernel.h, and
 // like it includes nothing of ATen's.
@@ -12,7 +12,7 @@ struct BFloat16;
 struct Half;
 }  // namespace c10
 
-namespace torchmha::core::kernel {
+namespace torchmha::cpu::kernel {
 
 /// M rows of x against the rows of W.
 template <typename scalar_t>
@@ -38,4 +38,4 @@ void linear_rows(const LinearProblem<c10::BFloat16>& p, int64_t begin, int64_t e
 void linear_rows(const LinearProblem<c10::Half>& p, int64_t begin, int64_t end);
 }  // namespace avx512
 
-}  // namespace torchmha::core::kernel
+}  // namespace torchmha::cpu::kernel

@@ -10,11 +10,16 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
-#include "settings.h"
+#include "common/settings.h"
 
+#include <cstring>
 #include <string>
 
-namespace torchmha::core {
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
+namespace torchmha::cpu {
 
 enum class Capability { kNone, kAvx2, kAvx512 };
 
@@ -59,7 +64,7 @@ inline bool cpu_has_amx(at::ScalarType dtype) {
 
 /// Whether this CPU computes float16 natively in AVX-512 (avx512_fp16): SDPA's float16 GEMMs then
 /// run at that rate, and the blocked kernel (float16 computed in float32) keeps only training
-/// there (blocked_attention.cpp). TORCHMHA_AVX512_FP16=0/1 sets the answer (torchmha runs no
+/// there (blocked_attention_kernel.cpp). TORCHMHA_AVX512_FP16=0/1 sets the answer (torchmha runs no
 /// AVX512-FP16 code itself, so 1 is safe on any CPU).
 inline bool cpu_has_avx512_fp16() {
   static const bool fp16 =
@@ -67,18 +72,36 @@ inline bool cpu_has_avx512_fp16() {
   return fp16;
 }
 
-/// Whether this is an AMD CPU: it has SSE4a, AMD's own extension (on every AMD x86-64 since 2007,
-/// on no Intel CPU). The blocked kernel's float32 rule keys on it (blocked_attention.cpp): its
-/// sizes were measured against SDPA on an AMD EPYC and on an Intel Xeon, and they differ there.
-/// TORCHMHA_CPU_VENDOR=amd/intel sets the answer.
-inline bool cpu_is_amd() {
-  static const bool amd = [] {
-    if (const auto set = settings::read_choice("TORCHMHA_CPU_VENDOR", {"amd", "intel"})) {
-      return *set == "amd";
+enum class Vendor { kIntel, kAmd, kHygon, kOther };
+
+/// The CPU's vendor, from CPUID's vendor string ("GenuineIntel", "AuthenticAMD", "HygonGenuine"),
+/// read once. Hygon's x86 CPUs are AMD Zen cores made under licence, with AMD's extensions
+/// (SSE4a), so a feature test would count them as AMD: they are named as themselves, and each
+/// rule says what it does for them. The blocked kernel's float32 rule keys on it
+/// (blocked_attention_kernel.cpp): its sizes were measured on an AMD EPYC and on an Intel Xeon,
+/// and they differ there. TORCHMHA_CPU_VENDOR=intel/amd/hygon/other sets the answer.
+inline Vendor cpu_vendor() {
+  static const Vendor vendor = [] {
+    if (const auto set = settings::read_choice("TORCHMHA_CPU_VENDOR", {"intel", "amd", "hygon", "other"})) {
+      return *set == "intel" ? Vendor::kIntel : *set == "amd" ? Vendor::kAmd : *set == "hygon" ? Vendor::kHygon
+                                                                                                : Vendor::kOther;
     }
-    return cpu_has_feature("sse4a");
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx)) {
+      char name[13] = {};
+      std::memcpy(name, &ebx, 4);
+      std::memcpy(name + 4, &edx, 4);
+      std::memcpy(name + 8, &ecx, 4);
+      const std::string id(name);
+      return id == "GenuineIntel" ? Vendor::kIntel : id == "AuthenticAMD" ? Vendor::kAmd
+                                                   : id == "HygonGenuine" ? Vendor::kHygon
+                                                                          : Vendor::kOther;
+    }
+#endif
+    return Vendor::kOther;
   }();
-  return amd;
+  return vendor;
 }
 
-}  // namespace torchmha::core
+}  // namespace torchmha::cpu

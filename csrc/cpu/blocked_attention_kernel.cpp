@@ -1,0 +1,337 @@
+// torchmha's blocked CPU kernel: attention without its weights by blocks of queries and keys,
+// flash attention's running softmax (kernels.h; the op's front is csrc/core/blocked_attention.cpp).
+
+#include "cpu/kernels.h"
+
+#include "common/settings.h"
+#include "cpu/cpu_capability.h"
+#include "cpu/micro_gemm.h"
+#include "cpu/vec/softmax_rows.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace torchmha::cpu {
+
+namespace {
+
+using micro_gemm::HeadRows;
+using micro_gemm::mask_rows;
+using micro_gemm::matmul;
+using micro_gemm::gemm;
+
+// Query rows per block, and keys per block so that a block's products stay micro-GEMMs
+// (micro_gemm::matmul: up to 2^20 multiply-adds).
+constexpr int64_t kQueryRows = 64;
+int64_t keys_per_block(int64_t rows, int64_t D, int64_t S) {
+  return std::min(S, std::clamp<int64_t>((int64_t(1) << 20) / (rows * D), 16, 256));
+}
+
+// The keys a block of query rows [l0, l0 + rows) reads: all, or up to its last row (causal).
+int64_t keys_read(int64_t l0, int64_t rows, int64_t S, bool is_causal) {
+  return is_causal ? std::min(S, l0 + rows) : S;
+}
+
+void online_softmax_rows(const kernel::OnlineSoftmaxRows& step) {
+  cpu_capability() == Capability::kAvx512 ? kernel::avx512::online_softmax_rows(step)
+                                          : kernel::avx2::online_softmax_rows(step);
+}
+
+void softmax_backward_rows(const kernel::SoftmaxBackwardRows& step) {
+  cpu_capability() == Capability::kAvx512 ? kernel::avx512::softmax_backward_rows(step)
+                                          : kernel::avx2::softmax_backward_rows(step);
+}
+
+// Head (n, h)'s keys [0, keys) transposed into `kt` (D x keys, row stride keys): the products
+// against K^T are then brgemm calls on plain row-major blocks. brgemm takes no transposed
+// operand, and the BLAS GEMM that reads K transposed in place repacks both operands on every call:
+// with K^T (once per head, not per block) the forward measured 0.81-0.93x SDPA's time at
+// 1024^2-4096^2 scores a head, against 0.95-0.99 without (AMD EPYC, 2 threads, 5 rounds each).
+// Made by the task that reads it, into its own buffer, rather than for all heads in one pass
+// before: it is then still in that core's cache (at 64 heads of 128^2 the forward went from 2.96
+// to 2.36 ms with this and the scale moved into the softmax step). The buffer is a Tensor, not a
+// std::vector: brgemm on rows less aligned than ATen's allocations measured 10% slower.
+const float* transpose_head(const HeadRows<float>& rows, int64_t n, int64_t h, int64_t keys, int64_t D, Tensor& kt) {
+  if (kt.numel() < D * keys) {
+    kt = at::empty({D * keys}, at::kFloat);
+  }
+  // By 16 keys, so that each row of K^T gets a whole cache line at once from rows still in L1.
+  float* out = kt.data_ptr<float>();
+  for (int64_t s0 = 0; s0 < keys; s0 += 16) {
+    const int64_t count = std::min<int64_t>(16, keys - s0);
+    const float* first = rows(n, h, s0);
+    for (int64_t d = 0; d < D; ++d) {
+      for (int64_t s = 0; s < count; ++s) {
+        out[d * keys + s0 + s] = first[s * rows.ld + d];
+      }
+    }
+  }
+  return out;
+}
+
+// What every block of the forward reads and writes (float32).
+struct ForwardProblem {
+  HeadRows<float> q_rows, k_rows, v_rows;
+  const OptionalTensor& mask;
+  bool is_causal;
+  int64_t N, H, L, D, S, block, key_block;
+  float scale;
+  float* heads_lnhd;  // (L, N, H, D)
+  float* lse;         // (N, H, L)
+};
+
+// One thread's scratch: a block's scores, its accumulated rows, their running max and sum.
+struct ForwardScratch {
+  std::vector<float> scores, acc, max, sum;
+  ForwardScratch(const ForwardProblem& p)
+      : scores(p.block * p.key_block), acc(p.block * p.D), max(p.block), sum(p.block) {}
+};
+
+// Query rows [l0, l0 + rows) of head (n, h), over the blocks of keys: the block's scores (one
+// micro-GEMM against K^T, `kt` with row stride kt_ld), scaled and masked in the running softmax,
+// the accumulated P V (another); then the rows divided by their sums, and their log-sum-exp.
+void forward_block(const ForwardProblem& p, ForwardScratch& s, int64_t n, int64_t h, int64_t l0, int64_t rows,
+                   const float* kt, int64_t kt_ld) {
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  std::fill(s.max.begin(), s.max.end(), -INFINITY);
+  std::fill(s.sum.begin(), s.sum.end(), 0.f);
+  int64_t mask_ld = 0;
+  const float* mask_row = mask_rows<float>(p.mask, n, h, l0, &mask_ld);
+  const int64_t keys = keys_read(l0, rows, p.S, p.is_causal), D = p.D;
+  for (int64_t s0 = 0; s0 < keys; s0 += p.key_block) {
+    const int64_t cols = std::min(p.key_block, keys - s0);
+    matmul(rows, cols, D, p.q_rows(n, h, l0), p.q_rows.ld, kt + s0, kt_ld, s.scores.data(), p.key_block);
+    online_softmax_rows({s.scores.data(), p.key_block, p.scale, mask_row == nullptr ? nullptr : mask_row + s0,
+                         mask_ld, p.is_causal, l0 - s0, s.max.data(), s.sum.data(), s.acc.data(), D, D, rows, cols});
+    matmul(rows, D, cols, s.scores.data(), p.key_block, p.v_rows(n, h, s0), p.v_rows.ld, s.acc.data(), D,
+           /*accumulate=*/true);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool any = s.sum[r] > 0.f;
+    const float inverse = any ? 1.f / s.sum[r] : 0.f;
+    float* out = p.heads_lnhd + ((l0 + r) * p.N + n) * p.H * D + h * D;
+    for (int64_t d = 0; d < D; ++d) {
+      out[d] = s.acc[r * D + d] * inverse;
+    }
+    p.lse[(n * p.H + h) * p.L + l0 + r] = any ? s.max[r] + std::log(s.sum[r]) : INFINITY;
+  }
+}
+
+// Float32 inputs. Tasks are runs of query blocks of one head (one run a head unless the heads are
+// fewer than the threads), each with its head's K^T (transpose_head), then forward_block per block.
+void blocked_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
+                              bool is_causal, const Tensor& heads_lnhd, const Tensor& lse) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
+  const int64_t block = std::min(kQueryRows, L);
+  const ForwardProblem p{HeadRows<float>(q), HeadRows<float>(k), HeadRows<float>(v), mask, is_causal, N, H, L, D, S,
+                         block, keys_per_block(block, D, S),
+                         static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))), heads_lnhd.data_ptr<float>(),
+                         lse.data_ptr<float>()};
+  const int64_t blocks_per_head = (L + block - 1) / block;
+  const int64_t runs_per_head = std::min(blocks_per_head, (4 * at::get_num_threads() + N * H - 1) / (N * H));
+  const int64_t rows_per_run = (blocks_per_head + runs_per_head - 1) / runs_per_head * block;
+
+  at::parallel_for(0, N * H * runs_per_head, 1, [&](int64_t begin, int64_t end) {
+    ForwardScratch scratch(p);
+    Tensor kt_buffer;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / (H * runs_per_head), h = task / runs_per_head % H;
+      const int64_t first = task % runs_per_head * rows_per_run, last = std::min(L, first + rows_per_run);
+      if (first >= last) {
+        continue;
+      }
+      const int64_t run_keys = keys_read(first, last - first, S, is_causal);
+      const float* kt = transpose_head(p.k_rows, n, h, run_keys, D, kt_buffer);
+      for (int64_t l0 = first; l0 < last; l0 += block) {
+        forward_block(p, scratch, n, h, l0, std::min(block, last - l0), kt, run_keys);
+      }
+    }
+  });
+}
+
+// The gradients of q, k and v (float32, contiguous (N, H, len, D), written whole). Per (sequence,
+// head), so that dK and dV accumulate over the query blocks on one thread. Each block of scores is
+// recomputed and its probabilities taken from the saved log-sum-exp, P = exp(x - lse); then
+//   dP = dO V^T,  dS = P (dP - rowsum(dO * O)) / sqrt(D),  dQ += dS K,  dK += dS^T q,  dV += P^T dO.
+void blocked_attention_backward_kernel(const Tensor& grad_heads, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const OptionalTensor& mask, bool is_causal, const Tensor& heads,
+                                       const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
+  const int64_t block = std::min(kQueryRows, L), key_block = keys_per_block(block, D, S);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const HeadRows<float> q_rows(q), k_rows(k), v_rows(v), o_rows(heads), do_rows(grad_heads);
+  const float* lse_data = lse.const_data_ptr<float>();
+  float *dq_data = dq.data_ptr<float>(), *dk_data = dk.data_ptr<float>(), *dv_data = dv.data_ptr<float>();
+
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(block * key_block), dp(block * key_block), delta(block);
+    Tensor kt_buffer, vt_buffer;
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t n = pair / H, h = pair % H;
+      const float* kt = transpose_head(k_rows, n, h, S, D, kt_buffer);
+      const float* vt = transpose_head(v_rows, n, h, S, D, vt_buffer);
+      float *dq_nh = dq_data + pair * L * D, *dk_nh = dk_data + pair * S * D, *dv_nh = dv_data + pair * S * D;
+      std::fill(dq_nh, dq_nh + L * D, 0.f);
+      std::fill(dk_nh, dk_nh + S * D, 0.f);
+      std::fill(dv_nh, dv_nh + S * D, 0.f);
+      for (int64_t l0 = 0; l0 < L; l0 += block) {
+        const int64_t rows = std::min(block, L - l0);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float *o = o_rows(n, h, l0 + r), *d_o = do_rows(n, h, l0 + r);
+          delta[r] = std::inner_product(o, o + D, d_o, 0.f);
+        }
+        int64_t mask_ld = 0;
+        const float* mask_row = mask_rows<float>(mask, n, h, l0, &mask_ld);
+        const float* row_lse = lse_data + pair * L + l0;
+        const int64_t keys = keys_read(l0, rows, S, is_causal);
+        for (int64_t s0 = 0; s0 < keys; s0 += key_block) {
+          const int64_t cols = std::min(key_block, keys - s0);
+          matmul(rows, cols, D, q_rows(n, h, l0), q_rows.ld, kt + s0, S, p.data(), key_block);
+          matmul(rows, cols, D, do_rows(n, h, l0), do_rows.ld, vt + s0, S, dp.data(), key_block);
+          softmax_backward_rows({p.data(), dp.data(), key_block, mask_row == nullptr ? nullptr : mask_row + s0, mask_ld,
+                                 is_causal, l0 - s0, row_lse, delta.data(), scale, rows, cols});
+          matmul(rows, D, cols, dp.data(), key_block, k_rows(n, h, s0), k_rows.ld, dq_nh + l0 * D, D, true);
+          gemm(true, false, cols, D, rows, 1.f, dp.data(), key_block, q_rows(n, h, l0), q_rows.ld, 1.f, dk_nh + s0 * D,
+               D);
+          gemm(true, false, cols, D, rows, 1.f, p.data(), key_block, do_rows(n, h, l0), do_rows.ld, 1.f, dv_nh + s0 * D,
+               D);
+        }
+      }
+    }
+  });
+}
+
+Tensor float32(const Tensor& t) { return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat); }
+OptionalTensor float32(const OptionalTensor& t) { return is_present(t) ? OptionalTensor(float32(*t)) : t; }
+
+// A mask of fewer dimensions as its broadcast 4-D view (SDPA takes both).
+OptionalTensor mask_4d(const OptionalTensor& mask) {
+  if (!is_present(mask) || mask->dim() >= 4) {
+    return mask;
+  }
+  Tensor view = *mask;
+  while (view.dim() < 4) {
+    view = view.unsqueeze(0);
+  }
+  return view;
+}
+
+}  // namespace
+
+bool blocked_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& any_mask) {
+  const OptionalTensor mask = mask_4d(any_mask);
+  const auto dtype = q.scalar_type();
+  const bool served_dtype = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+  if (!q.device().is_cpu() || !served_dtype || cpu_capability() == Capability::kNone || k.scalar_type() != dtype ||
+      v.scalar_type() != dtype || q.dim() != 4 || q.numel() == 0 || k.dim() != 4 || k.size(2) == 0) {
+    return false;
+  }
+  // Read through raw pointers: shapes that disagree go to the composition, which raises ATen's error.
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
+  if (k.sizes() != at::IntArrayRef{N, H, S, D} || v.sizes() != at::IntArrayRef{N, H, S, D}) {
+    return false;
+  }
+  const auto rows_contiguous = [](const Tensor& t) {
+    return (t.stride(3) == 1 || t.size(3) == 1) && t.stride(2) >= t.size(3);
+  };
+  if (!rows_contiguous(q) || !rows_contiguous(k) || !rows_contiguous(v)) {
+    return false;
+  }
+  if (!is_present(mask)) {
+    return true;
+  }
+  const auto broadcasts = [&](int64_t dim, int64_t size) { return mask->size(dim) == size || mask->size(dim) == 1; };
+  return mask->dim() == 4 && broadcasts(0, N) && broadcasts(1, H) && broadcasts(2, L) && mask->size(3) == S &&
+      mask->stride(3) == 1 && mask->scalar_type() == dtype;
+}
+
+std::optional<std::tuple<Tensor, Tensor>> blocked_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                            const OptionalTensor& mask, bool is_causal) {
+  if (!blocked_kernel_applies(q, k, v, mask)) {
+    return std::nullopt;
+  }
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
+  // bfloat16 and float16 are computed in float32 (one conversion each way), the mask included.
+  const Tensor q32 = float32(q), k32 = float32(k), v32 = float32(v);
+  const OptionalTensor mask32 = float32(mask_4d(mask));
+  Tensor heads_lnhd = at::empty({L, N, H, D}, q32.options());
+  Tensor lse = at::empty({N, H, L}, q32.options());
+  blocked_attention_kernel(q32, k32, v32, mask32, is_causal, heads_lnhd, lse);
+  return std::make_tuple(heads_lnhd.to(q.scalar_type()).permute({1, 2, 0, 3}), lse);
+}
+
+std::optional<std::tuple<Tensor, Tensor, Tensor>> blocked_attention_backward(
+    const Tensor& grad_heads, const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
+    bool is_causal, const Tensor& heads, const Tensor& lse) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
+  if (!blocked_kernel_applies(q, k, v, mask) || grad_heads.sizes() != q.sizes() || heads.sizes() != q.sizes() ||
+      lse.sizes() != at::IntArrayRef{N, H, L} || lse.scalar_type() != at::kFloat) {
+    return std::nullopt;
+  }
+  const auto options = q.options().dtype(at::kFloat);
+  Tensor dq = at::empty(q.sizes(), options), dk = at::empty(k.sizes(), options), dv = at::empty(v.sizes(), options);
+  blocked_attention_backward_kernel(float32(grad_heads).contiguous(), float32(q), float32(k), float32(v),
+                                    float32(mask_4d(mask)), is_causal, float32(heads), lse.contiguous(), dq, dk, dv);
+  const auto dtype = q.scalar_type();
+  return std::make_tuple(dq.to(dtype), dk.to(dtype), dv.to(dtype));
+}
+
+// ------------------------------------------------------------------------------ dispatch rule
+
+bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, bool with_grad) {
+  static const std::optional<bool> forced = settings::read_switch("TORCHMHA_BLOCKED_KERNEL");
+  if (forced.has_value()) {
+    return *forced;
+  }
+  // Measured against SDPA at head size 64 (benchmarks/README; time ratios, medians of alternated
+  // rounds). On an Intel Xeon with AVX-512, without AMX (issue 14): below 128^2 scores a head
+  // SDPA's fixed costs are lower (1.2-1.9x).
+  //  - bfloat16: computed in float32 here, SDPA's bfloat16 GEMMs were slower: 0.7-0.9 forward,
+  //    0.2-0.7 forward+backward. float16: forward 0.9-1.2 (SDPA kept: this CPU has AVX512-FP16),
+  //    forward+backward 0.1-0.9 from 16^2. Not where AMX serves SDPA (not measured).
+  //  - float16 forward without AVX512-FP16 (AMD EPYC, 2026-12-02, 3 rounds): 0.24-0.78 from 128^2
+  //    (causal or not, up to 2048^2); below, 0.34-0.55, but 64^2 causal 0.62-1.24. So the bfloat16
+  //    forward rule there.
+  //  - float32 causal: 0.66-0.88 forward up to 1024^2, 1.0 beyond; 0.56-0.86 forward+backward.
+  //  - float32 otherwise: forward 0.81-0.99 at 128^2 (four runs), 0.94-1.04 at 256^2, 0.93-1.14 at
+  //    512^2, 1.0-1.2 beyond (SDPA kept there); forward+backward 0.63-0.97 up to 512^2 (the backward
+  //    recomputes from the log-sum-exp), 1.07-1.22 at 2048^2.
+  // On an AMD EPYC (avx512f, avx512_bf16, no AMX; issue 26, 2026-12-02), float32 with K^T copied
+  // per head, at 1024^2, 2048^2, 4096^2 (medians of 5 alternated rounds): forward 0.96, 0.81,
+  // 0.85; forward+backward 0.81, 0.77, 0.81; causal forward 0.70, 0.77, 0.79; causal
+  // forward+backward 0.62, 0.69, 0.76 (before the copy: 0.95-1.01 forward, 0.91-0.97 with the
+  // backward). The kernel runs there at 125-158 GFLOP/s, about torch.mm's rate. The Intel sizes
+  // were measured before the copy and are kept until measured again.
+  const int64_t scores = q.size(2) * k.size(2);
+  const auto dtype = q.scalar_type();
+  if (dtype == at::kBFloat16 || dtype == at::kHalf) {
+    if (cpu_has_amx(dtype)) {
+      return false;
+    }
+    if (dtype == at::kHalf && with_grad) {
+      return true;
+    }
+    const bool sdpa_native = dtype == at::kHalf && cpu_has_avx512_fp16();  // its float16 GEMMs
+    return !sdpa_native && scores >= 128 * 128;
+  }
+  if (is_causal) {
+    return scores >= 128 * 128;
+  }
+  switch (cpu_vendor()) {
+    case Vendor::kAmd:
+      return with_grad ? scores >= 64 * 64 : scores >= 128 * 128;
+    case Vendor::kHygon:  // Zen cores, but not measured: the Intel sizes, which keep SDPA at large sizes
+    case Vendor::kIntel:
+    case Vendor::kOther:
+      break;
+  }
+  return with_grad ? scores >= 64 * 64 && scores <= 512 * 512 : scores >= 128 * 128 && scores <= 256 * 256;
+}
+
+}  // namespace torchmha::cpu

@@ -1,0 +1,81 @@
+#pragma once
+
+// torchmha's own CPU kernels as the device-generic pipeline (csrc/core) sees them: the one header
+// of csrc/cpu/ that the core includes. Each kernel returns its result, or nullopt where it does not
+// take the inputs (a dtype, an instruction set, shapes or strides it cannot read through raw
+// pointers, a setting that turns it off); the core then runs the op's ATen composition, its
+// reference. The *_pays_off rules say where a kernel beats the composition or SDPA on this CPU:
+// measured, keyed on the CPU facts of cpu_capability.h, each forced by a TORCHMHA_* setting
+// (docs/kernel_rules.md). The shapes are those of the ops (csrc/core/<op>.h). A CUDA kernel would
+// get a folder of its own, csrc/cuda/, with a header like this one.
+
+#include "common/optional_tensor.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace torchmha::cpu {
+
+using at::Tensor;
+
+// ---------------------------------------------------------------- attention without weights
+// (blocked_attention_kernel.cpp: flash attention's running softmax over blocks of keys)
+
+/// Whether the kernel takes these inputs: CPU, float32/bfloat16/float16, AVX2 or AVX-512, shapes
+/// that agree, rows contiguous along D, a mask of q's dtype with contiguous rows.
+bool blocked_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask);
+/// Whether it beats SDPA for this size, dtype and CPU, forward only or with the backward.
+/// TORCHMHA_BLOCKED_KERNEL=1 takes it wherever it applies, 0 never.
+bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, bool with_grad);
+/// {heads, log-sum-exp}, as the op torchmha::blocked_attention.
+std::optional<std::tuple<Tensor, Tensor>> blocked_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                            const OptionalTensor& mask, bool is_causal);
+/// {dq, dk, dv}, as the op torchmha::blocked_attention_backward.
+std::optional<std::tuple<Tensor, Tensor, Tensor>> blocked_attention_backward(
+    const Tensor& grad_heads, const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
+    bool is_causal, const Tensor& heads, const Tensor& lse);
+
+// ---------------------------------------------------------------- attention with weights
+// (explicit_attention_kernel.cpp: blocks of query rows, the scores of one block at a time)
+
+/// Whether the kernels serve this device and dtype (CPU, float or double, AVX2/AVX-512).
+bool explicit_kernel_serves(const at::Device& device, at::ScalarType dtype);
+/// Whether they take these inputs (served, shapes that agree, rows read in place).
+bool explicit_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask);
+/// Whether a head's L x S scores are many enough for them (every size, unless
+/// TORCHMHA_MIN_KERNEL_SCORES sets a threshold).
+bool explicit_kernel_pays_off(int64_t L, int64_t S);
+/// {heads, weights}, as the op torchmha::attention_with_weights.
+std::optional<std::tuple<Tensor, Tensor>> attention_with_weights(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                                 const OptionalTensor& mask, bool average);
+/// Its backward where explicit_kernel_applies: {dq, dk, dv}, the probabilities recomputed block by
+/// block; an undefined gradient is an unused output.
+std::tuple<Tensor, Tensor, Tensor> attention_with_weights_backward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                                   const OptionalTensor& mask, bool average,
+                                                                   const Tensor& grad_heads,
+                                                                   const Tensor& grad_weights);
+
+// ---------------------------------------------------------------- a decoding step
+// (decode_attention_kernel.cpp: one pass over the filled prefix per sequence and head)
+
+/// The op torchmha::decode_attention on shapes already checked: the cache written, the attention
+/// over each sequence's prefix, lengths advanced (float, double, bfloat16/float16 computed in
+/// float; no dropout; TORCHMHA_DECODE_KERNEL_MAX_ROWS limits the new rows). The lengths are
+/// checked first, with the numbers, whether the kernel then takes the step or not.
+std::optional<Tensor> decode_attention(const Tensor& q, const Tensor& k_new, const Tensor& v_new,
+                                       const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
+                                       const OptionalTensor& new_lengths, const OptionalTensor& padding,
+                                       double dropout_p);
+
+// ---------------------------------------------------------------- linear layers of a few rows
+// (small_linear_kernel.cpp: each weight row read once, at the read rate)
+
+/// Whether the kernel may take `rows` rows of x: at most its limit, unless TORCHMHA_SMALL_LINEAR=0.
+bool small_linear_serves(int64_t rows);
+/// y = x W^T + b, as the op torchmha::small_linear (float32/bfloat16/float16).
+std::optional<Tensor> small_linear(const Tensor& x, const Tensor& weight, const OptionalTensor& bias);
+
+}  // namespace torchmha::cpu
