@@ -103,11 +103,16 @@ Tensor cross_attention(const Tensor& x, const Tensor& keys, const Tensor& values
 }
 
 Tensor transformer_block(const Tensor& x, const FeedForwardParameters& feed_forward,
-    const AttentionParameters& attention, const AttentionOptions& options) {
-  AttentionOptions self_attention = options;
+    const AttentionParameters& attention, const BlockOptions& options) {
+  AttentionOptions self_attention;
+  self_attention.key_padding_mask = options.key_padding_mask;
+  self_attention.attn_mask = options.attn_mask;
   self_attention.need_weights = false;
+  self_attention.is_causal = options.is_causal;
+  self_attention.training = options.training;
   self_attention.batch_first = true;
-  self_attention.static_k = self_attention.static_v = std::nullopt;
+  self_attention.dropout_p = options.dropout_p;
+  self_attention.allow_fast_path = options.allow_fast_path;
   return core::transformer_block({x, x, x, self_attention}, core::attention_weights(attention), feed_forward);
 }
 

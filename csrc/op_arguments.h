@@ -7,19 +7,29 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include <algorithm>
+#include <initializer_list>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 
 namespace torchmha::ops {
 
-/// ", decl, decl, ..." for every member of Args, as its for_each_field declares them.
+/// ", decl, decl, ..." for every member of Args, as its for_each_field declares them; the members
+/// named in `read_only` without their alias annotation ("Tensor(a!) keys" as "Tensor keys"), for an
+/// op that reads, or does not touch, what another op of the same struct writes.
 template <typename Args>
-std::string declarations() {
+std::string declarations(std::initializer_list<std::string_view> read_only = {}) {
   std::string out;
   Args().for_each_field([&](const char* declaration, auto&) {
+    std::string field = declaration;
+    const std::string_view name = std::string_view(field).substr(field.rfind(' ') + 1);
+    if (std::find(read_only.begin(), read_only.end(), name) != read_only.end() && field.find('(') != std::string::npos) {
+      field.erase(field.find('('), field.find(')') - field.find('(') + 1);
+    }
     out += ", ";
-    out += declaration;
+    out += field;
   });
   return out;
 }

@@ -77,7 +77,7 @@ void transformer_block_boxed(const OperatorHandle& op, Stack* stack) {
   auto x = in.next<Tensor>();
   const auto feed_forward = in.next_struct<FeedForwardParameters>();
   const auto attention = in.next_struct<AttentionParameters>();
-  in.finish(transformer_block(x, feed_forward, attention, in.next_struct<AttentionOptions>()));
+  in.finish(transformer_block(x, feed_forward, attention, in.next_struct<BlockOptions>()));
 }
 
 void decoder_step_boxed(const OperatorHandle& op, Stack* stack) {
@@ -162,9 +162,10 @@ TORCH_LIBRARY(torchmha, m) {
       TORCH_FN(decoder_memory));
   ops::define<ops::decoder_reorder_boxed>(m, "decoder_reorder", declarations<DecoderCache>().substr(2) + ", Tensor indices",
                                           "()");
+  // A reset empties sequences (lengths) and may replace their memory; it never touches the caches.
   ops::define<ops::decoder_reset_boxed>(
       m, "decoder_reset",
-      declarations<DecoderCache>().substr(2) +
+      declarations<DecoderCache>({"keys", "values"}).substr(2) +
           ", Tensor? slots=None, Tensor? new_keys=None, Tensor? new_values=None, Tensor? new_padding=None",
       "()");
   // The step's attention inside attention_with_cache: a kernel per device (decode_attention.h).
@@ -197,7 +198,7 @@ TORCH_LIBRARY(torchmha, m) {
   ops::define<ops::transformer_block_boxed>(
       m, "transformer_block",
       "Tensor x" + declarations<FeedForwardParameters>() + declarations<AttentionParameters>() +
-          declarations<AttentionOptions>(),
+          declarations<BlockOptions>(),
       "Tensor");
 }
 

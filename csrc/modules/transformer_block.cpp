@@ -42,7 +42,7 @@ Tensor TransformerBlockImpl::forward(const Tensor& x, const Tensor& attn_mask, c
   FeedForwardParameters feed_forward{linear1->weight, optional_if_defined(linear1->bias), linear2->weight,
                                      optional_if_defined(linear2->bias), norm1->weight, norm1->bias, norm2->weight,
                                      norm2->bias, options.layer_norm_eps(), dropout->options.p(), options.norm_first()};
-  AttentionOptions call;
+  BlockOptions call;
   call.attn_mask = optional_if_defined(attn_mask);
   call.key_padding_mask = optional_if_defined(key_padding_mask);
   call.training = is_training();

@@ -3,7 +3,7 @@ links) and the core's construction-time rules (``_C._check_*``). Every class of 
 one call into these.
 
 The attention ops take the C++ argument structs (csrc/include/torchmha/attention_arguments.h) as
-runs of schema arguments. ``attention_parameters``, ``attention_options`` and ``decoding_options``
+runs of schema arguments. ``attention_parameters``, ``attention_options``, ``block_options`` and ``decoding_options``
 are their one spelling in Python: they return a struct's run in schema order, so callers pass it
 positionally (``op(query, key, value, E, *attention_parameters(...), *attention_options(...))``)
 and torch.ops never matches keywords against the schema (tests/python/test_ops.py checks the
@@ -64,6 +64,18 @@ def attention_options(
     """One forward call's masks and flags (AttentionOptions) as the ops' positional arguments."""
     return (key_padding_mask, attn_mask, need_weights, average_attn_weights, is_causal, training, batch_first,
             dropout_p, allow_fast_path, static_k, static_v)
+
+
+def block_options(
+    key_padding_mask: Optional[Tensor] = None,
+    attn_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    training: bool = True,
+    dropout_p: float = 0.0,
+    allow_fast_path: bool = False,
+):
+    """A TransformerBlock call's masks and flags (BlockOptions) as the op's positional arguments."""
+    return (key_padding_mask, attn_mask, is_causal, training, dropout_p, allow_fast_path)
 
 
 def decoding_options(

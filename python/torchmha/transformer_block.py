@@ -4,7 +4,7 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from ._ops import attention_options, attention_parameters, fast_path_allowed, ops, rules
+from ._ops import attention_parameters, block_options, fast_path_allowed, ops, rules
 from .functional import warn_if_mask_dtypes_differ
 from .multihead_attention import MultiheadAttention
 
@@ -55,8 +55,8 @@ class TransformerBlock(nn.Module):
             attention.num_heads, in_proj_weight=attention.in_proj_weight, in_proj_bias=attention.in_proj_bias,
             out_proj_weight=attention.out_proj.weight, out_proj_bias=attention.out_proj.bias,
         )
-        options = attention_options(
-            key_padding_mask, attn_mask, training=self.training, batch_first=True, dropout_p=attention.dropout,
+        options = block_options(
+            key_padding_mask, attn_mask, training=self.training, dropout_p=attention.dropout,
             allow_fast_path=fast_path_allowed(),
         )
         return ops.transformer_block(x, *feed_forward, *params, *options)

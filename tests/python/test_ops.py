@@ -9,7 +9,7 @@ import inspect
 
 import torchmha
 from helpers import assert_close, mha_pair
-from torchmha._ops import attention_options, attention_parameters, decoding_options
+from torchmha._ops import attention_options, attention_parameters, block_options, decoding_options
 
 
 class TinyModel(torch.nn.Module):
@@ -56,9 +56,9 @@ def test_python_argument_runs_follow_the_schemas():
     """The ops' schemas are written from the C++ argument structs; the Python helpers that spell
     the same runs positionally must list the same names, in the same order, with the same defaults."""
     ops = torch.ops.torchmha
-    runs = {helper: inspect.signature(helper).parameters for helper in (attention_parameters, attention_options,
-                                                                         decoding_options)}
-    params, options, decoding = (list(runs[h]) for h in (attention_parameters, attention_options, decoding_options))
+    helpers = (attention_parameters, attention_options, decoding_options, block_options)
+    runs = {helper: inspect.signature(helper).parameters for helper in helpers}
+    params, options, decoding, block = (list(runs[h]) for h in helpers)
     expected = {
         ops.multi_head_attention_forward: ["query", "key", "value", "embed_dim", *params, *options],
         ops.attention_with_cache: ["query", "k_cache", "v_cache", "lengths", *params, *decoding, "new_lengths"],
@@ -68,12 +68,30 @@ def test_python_argument_runs_follow_the_schemas():
     }
     for op, names in expected.items():
         assert [a.name for a in op.default._schema.arguments] == names, op
+    block_names = [a.name for a in ops.transformer_block.default._schema.arguments]
+    assert block_names[-len(params) - len(block):] == [*params, *block]
     for helper, op in ((attention_parameters, ops.multi_head_attention_forward),
-                       (attention_options, ops.multi_head_attention_forward), (decoding_options, ops.attention_with_cache)):
+                       (attention_options, ops.multi_head_attention_forward), (decoding_options, ops.attention_with_cache),
+                       (block_options, ops.transformer_block)):
         schema = {a.name: a for a in op.default._schema.arguments}
         for name, parameter in runs[helper].items():
             default = schema[name].default_value if schema[name].has_default_value() else inspect.Parameter.empty
             assert default == parameter.default, (helper.__name__, name)
+
+
+def test_transformer_block_takes_only_what_it_uses():
+    """The block is batch first and returns no weights: its op has no argument it would ignore."""
+    names = {a.name for a in torch.ops.torchmha.transformer_block.default._schema.arguments}
+    assert not names & {"need_weights", "average_attn_weights", "batch_first", "static_k", "static_v"}
+    assert {"key_padding_mask", "attn_mask", "training", "dropout_p"} <= names
+
+
+def test_decoder_reset_schema_writes_only_what_it_changes():
+    """A reset empties sequences and may replace their memory: it writes lengths and the memory,
+    never the key/value caches (a schema that says it does makes functionalization copy them)."""
+    args = {a.name: a for a in torch.ops.torchmha.decoder_reset.default._schema.arguments}
+    written = {name for name, a in args.items() if a.alias_info is not None and a.alias_info.is_write}
+    assert written == {"lengths", "memory_keys", "memory_values", "memory_padding"}
 
 
 def test_new_arguments_reject_bad_values_by_name():
@@ -199,8 +217,7 @@ def decoding_samples():
           *attention_parameters(H, q_proj_weight=param(E, E), out_proj_weight=w_out, out_proj_bias=b_out)),
          {"mask": torch.rand(N, 5) > 0.2}),
         (ops.transformer_block.default, (torch.randn(N, 3, E, **f64, requires_grad=True),),
-         dict(block, num_heads=H, in_proj_weight=w_in, in_proj_bias=b_in, out_proj_weight=w_out, out_proj_bias=b_out,
-              batch_first=True)),
+         dict(block, num_heads=H, in_proj_weight=w_in, in_proj_bias=b_in, out_proj_weight=w_out, out_proj_bias=b_out)),
     ]
 
 

@@ -91,6 +91,26 @@ struct AttentionOptions {
   }
 };
 
+/// A TransformerBlock call's masks and flags: those of its self-attention that the block does not
+/// fix (it is batch first, returns no weights and has no static keys or values).
+struct BlockOptions {
+  std::optional<at::Tensor> key_padding_mask, attn_mask;
+  bool is_causal = false;
+  bool training = true;
+  double dropout_p = 0.0;
+  bool allow_fast_path = false;
+
+  template <typename Visit>
+  void for_each_field(Visit&& visit) {
+    visit("Tensor? key_padding_mask=None", key_padding_mask);
+    visit("Tensor? attn_mask=None", attn_mask);
+    visit("bool is_causal=False", is_causal);
+    visit("bool training=True", training);
+    visit("float dropout_p=0.", dropout_p);
+    visit("bool allow_fast_path=False", allow_fast_path);
+  }
+};
+
 /// One decoding step's mask and flags (attention to a cache or to a projected memory):
 /// key_padding_mask (N, S) masks positions [0, S).
 struct DecodingOptions {

@@ -185,13 +185,12 @@ TORCHMHA_API at::Tensor cross_attention(
     bool training = false);
 
 /// TransformerBlock's forward (see transformer_block.h), batch first: x (N, L, E); the
-/// self-attention's parameters (packed), then the feed-forward network and LayerNorms. Of
-/// `options`, batch_first, need_weights and static_k/static_v are ignored (always true, false and
-/// absent); dropout_p is the attention's dropout.
+/// self-attention's parameters (packed), then the feed-forward network and LayerNorms; the
+/// self-attention's masks and flags (dropout_p is the attention's dropout).
 TORCHMHA_API at::Tensor transformer_block(
     const at::Tensor& x,
     const FeedForwardParameters& feed_forward,
     const AttentionParameters& attention,
-    const AttentionOptions& options = {});
+    const BlockOptions& options = {});
 
 }  // namespace torchmha
