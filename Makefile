@@ -1,4 +1,4 @@
-# Quick start:  make demo   (set up, build, run the parity/speed demo)
+# Quick start:  make demo   (set up what the demo needs, build the extension, run the parity/speed demo)
 #               make test   (set up, build, run every C++ and Python test: what CI runs)
 # Inner loop:   make check  (incremental build, ctest, pytest without the sanitizer, fuzz and
 #                            package stages; a few minutes warm)
@@ -13,26 +13,42 @@ export TORCHMHA_BUILD_DIR := $(abspath build)
 # Whether `import torchmha` finds this tree's package (an editable install of another clone would not do).
 export INSTALLED_HERE := import pathlib, torchmha; assert pathlib.Path(torchmha.__file__).resolve().parents[1] == pathlib.Path("python").resolve()
 
-.PHONY: deps build demo run-demo check test test-cpp test-python test-package test-wheel test-torch test-distributed test-sanitizers test-fuzz bench clean
+.PHONY: deps build build-python package-here demo run-demo check test test-cpp test-python test-package test-wheel test-torch test-distributed test-sanitizers test-fuzz bench clean
 
 # Once per machine (make demo and make test run it): torch, the test packages, CMake, GoogleTest, clang.
 deps:
 	PYTHON=$(PYTHON) bash scripts/install_deps.sh
 
-# Incremental. The first build configures build/ (preset "default") and installs the package in
-# editable mode; later ones rebuild what changed and put _C and libtorchmha beside the sources.
+# Incremental. The first build configures build/ (preset "default", with the GoogleTest suite and the
+# C++ benchmark) and installs the package in editable mode; later ones rebuild what changed and put _C
+# and libtorchmha beside the sources.
 build:
-	@test -f build/CMakeCache.txt || cmake --preset default
+	@grep -qs "TORCHMHA_BUILD_TESTS:BOOL=ON" build/CMakeCache.txt || \
+	  cmake --preset default -DTORCHMHA_BUILD_TESTS=ON -DTORCHMHA_BUILD_BENCHMARKS=ON
 	cmake --build --preset default -j $(NPROC)
-	@$(PYTHON) -c "$$INSTALLED_HERE" 2>/dev/null || $(PYTHON) -m pip install --no-build-isolation --no-deps -e .
+	@$(MAKE) --no-print-directory package-here
+
+# The demo's build: the library and the Python extension only.
+build-python:
+	@test -f build/CMakeCache.txt || { mkdir -p build && \
+	  cmake --preset default -DTORCHMHA_BUILD_TESTS=OFF -DTORCHMHA_BUILD_BENCHMARKS=OFF > build/configure.log \
+	  || { cat build/configure.log; exit 1; }; }
+	cmake --build --preset default --target _C -j $(NPROC)
+	@$(MAKE) --no-print-directory package-here
+
+# This tree's package importable: an editable install once, then the built binaries beside the sources.
+package-here:
+	@$(PYTHON) -c "$$INSTALLED_HERE" 2>/dev/null || $(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
 	@for lib in build/_C*.so build/libtorchmha.so build/_build_info.py; do \
 	  cmp -s $$lib python/torchmha/$$(basename $$lib) || { rm -f python/torchmha/$$(basename $$lib); cp $$lib python/torchmha/; }; \
 	done
 
-demo: deps
-	$(MAKE) run-demo
+# Only what the demo runs: torch, matplotlib and a compiler (no test packages, GoogleTest or clang).
+demo:
+	PYTHON=$(PYTHON) bash scripts/install_deps.sh --demo
+	$(MAKE) --no-print-directory run-demo
 
-run-demo: build
+run-demo: build-python
 	$(PYTHON) examples/demo.py
 
 test-cpp: build

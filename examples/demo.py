@@ -5,6 +5,7 @@ numbers match, and time both side by side in this process.
 """
 
 import copy
+from pathlib import Path
 
 import torch
 from torch.utils import benchmark
@@ -58,9 +59,10 @@ def main() -> None:
     # One attention map of the swapped model's first layer, causal mask and all.
     try:
         first_attention = ours.layers[0].self_attn
+        plot = Path("attention.png").resolve()
         torchmha.plot_module_attention(first_attention, x[:1, :24], attn_mask=causal[:24, :24],
-                                       title="first layer, causal self-attention", path="attention.png")
-        print("wrote attention.png (average attention weights of the first layer)")
+                                       title="first layer, causal self-attention", path=str(plot))
+        print(f"wrote {plot} (average attention weights of the first layer)")
     except ImportError as missing:  # matplotlib is optional
         print(f"skipped the attention plot: {missing}")
 
