@@ -308,6 +308,13 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
   // forward+backward 0.62, 0.69, 0.76 (before the copy: 0.95-1.01 forward, 0.91-0.97 with the
   // backward). The kernel runs there at 125-158 GFLOP/s, about torch.mm's rate. The Intel sizes
   // were measured before the copy and are kept until measured again.
+  // On an AMD EPYC without AVX-512 (Zen 3: family 25 model 1, AVX2 only; 2026-12-02, min of 3
+  // rounds, 8 heads of 64): the kernel runs at 107-110 GFLOP/s at 1024^2-4096^2, SDPA at 139-142.
+  // Forward 0.70, 0.90, 0.91 at 128^2-512^2, 1.28-1.31 from 1024^2; forward+backward 0.59-0.91 up
+  // to 512^2, 1.20 and 1.11 at 1024^2 and 2048^2; causal forward 0.28-0.59 up to 512^2, 0.95 at
+  // 1024^2, 1.07 and 1.16 at 2048^2 and 4096^2; causal forward+backward 0.56-0.94 up to 2048^2.
+  // So on AMD the AVX-512 sizes hold only where the AVX-512 copy runs (cpu_capability, which
+  // TORCHMHA_CPU_CAPABILITY=avx2 lowers).
   const int64_t scores = q.size(2) * k.size(2);
   const auto dtype = q.scalar_type();
   if (dtype == at::kBFloat16 || dtype == at::kHalf) {
@@ -320,11 +327,15 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
     const bool sdpa_native = dtype == at::kHalf && cpu_has_avx512_fp16();  // its float16 GEMMs
     return !sdpa_native && scores >= 128 * 128;
   }
+  const bool amd_avx2 = cpu_vendor() == Vendor::kAmd && cpu_capability() != Capability::kAvx512;
   if (is_causal) {
-    return scores >= 128 * 128;
+    return scores >= 128 * 128 && (with_grad || !amd_avx2 || scores <= 1024 * 1024);
   }
   switch (cpu_vendor()) {
     case Vendor::kAmd:
+      if (amd_avx2) {
+        return with_grad ? scores >= 64 * 64 && scores <= 512 * 512 : scores >= 128 * 128 && scores <= 512 * 512;
+      }
       return with_grad ? scores >= 64 * 64 : scores >= 128 * 128;
     case Vendor::kHygon:  // Zen cores, but not measured: the Intel sizes, which keep SDPA at large sizes
     case Vendor::kIntel:

@@ -155,6 +155,31 @@ def test_amx_setting_moves_the_reduced_precision_rule():
     run_python_with(code.replace("EXPECTED", "True"), set_env={"TORCHMHA_AMX": "0"}, unset=unset)
 
 
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs the AVX2 copy")
+def test_amd_without_avx512_keeps_sdpa_at_large_float32_sizes():
+    """On an AMD CPU running the AVX2 copy (Zen 3, measured: blocked_attention_kernel.cpp) SDPA wins
+    float32 from 1024^2 scores a head (causal forward from 2048^2); the kernel below. Forced on any
+    x86 CPU: TORCHMHA_CPU_CAPABILITY=avx2 lowers the copy, TORCHMHA_CPU_VENDOR=amd names the vendor."""
+    code = BLOCKED_TAKEN + """
+assert blocked(torch.float32, 512) and not blocked(torch.float32, 1024)
+assert blocked(torch.float32, 512, True) and not blocked(torch.float32, 1024, True)
+"""
+    causal = PROFILED + """
+def causal_blocked(L, train=False):
+    m = torchmha.MultiheadAttention(64, 1, batch_first=True).train(train)
+    x = torch.randn(1, L, 64, requires_grad=train)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(L)
+    with torch.set_grad_enabled(train):
+        names, _ = ops(lambda: m(x, x, x, need_weights=False, attn_mask=mask, is_causal=True))
+    return "torchmha::blocked_attention" in names
+assert causal_blocked(1024) and not causal_blocked(2048) and causal_blocked(2048, True)
+"""
+    env = {"TORCHMHA_CPU_VENDOR": "amd", "TORCHMHA_CPU_CAPABILITY": "avx2"}
+    unset = ("TORCHMHA_BLOCKED_KERNEL",)
+    run_python_with(code, set_env=env, unset=unset)
+    run_python_with(causal, set_env=env, unset=unset)
+
+
 @needs_avx512
 def test_vendor_setting_moves_the_float32_rule():
     """float32 without a causal mask beyond 512^2 scores a head: the kernel on AMD, SDPA on Intel
