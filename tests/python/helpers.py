@@ -106,7 +106,7 @@ def flatten(result):
 def torch_fails_on_empty_reshape(expected):
     """torch cannot reshape an empty (0-element) padding mask ("-1 ... is ambiguous") and raises
     where the mask changes nothing; torchmha gives torch's answer without that empty mask
-    (README, reliability)."""
+    (docs/testing.md)."""
     return expected[0] == "error" and "0 elements" in expected[2] and "ambiguous" in expected[2]
 
 

@@ -1,6 +1,6 @@
 """The examples run as written: examples/generate.py with tiny sizes (same tokens with and without
-the cache, a plot written), so it cannot drift from the API. The README's code blocks:
-test_docs_examples.py."""
+the cache, a plot written), so it cannot drift from the API. The code blocks of README.md
+and docs/: test_docs_examples.py."""
 
 import subprocess
 import sys

@@ -11,7 +11,7 @@
 // torchmha's modules name their parameters as torch's Python modules do, so a C++ model and a
 // Python model built from the same layers in the same order share their state dicts.
 // (LibTorch's own torch::save(module, path) writes a TorchScript archive instead; Python reads it
-// with torch.jit.load, see the README.)
+// with torch.jit.load, see docs/cpp.md.)
 
 #include <torchmha/export.h>
 
