@@ -16,7 +16,6 @@ namespace torchmha {
 namespace {
 
 using at::Tensor;
-using core::OptionalTensor;
 
 // A functional in-projection's outputs, as the (..., E) tensors torch's functions return.
 std::vector<Tensor> split_projections(const std::vector<core::ProjectionGroup>& groups) {
@@ -89,7 +88,7 @@ void reset_cache(const Tensor& lengths, const OptionalTensor& slots) {
 std::tuple<Tensor, Tensor> project_key_value(const Tensor& key, const OptionalTensor& value,
     const AttentionParameters& params, bool batch_first) {
   const auto weights = core::attention_weights(params, /*out_proj_required=*/false);
-  return core::project_key_value(key, core::is_present(value) ? *value : key, weights, batch_first);
+  return core::project_key_value(key, is_present(value) ? *value : key, weights, batch_first);
 }
 
 Tensor attention_with_static_key_value(const Tensor& query, const Tensor& keys, const Tensor& values,

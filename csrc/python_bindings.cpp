@@ -130,7 +130,7 @@ void bind_multihead_attention(py::module_& m) {
               query, key, value, key_padding_mask.value_or(at::Tensor()), need_weights,
               attn_mask.value_or(at::Tensor()), average_attn_weights, is_causal);
         });
-        return std::make_tuple(output, torchmha::core::optional_if_defined(weights));
+        return std::make_tuple(output, torchmha::optional_if_defined(weights));
       },
       arg("query"), arg("key"), arg("value"), arg("key_padding_mask") = py::none(),
       arg("need_weights") = true, arg("attn_mask") = py::none(), arg("average_attn_weights") = true,

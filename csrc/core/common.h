@@ -12,10 +12,7 @@
 
 namespace torchmha::core {
 
-using at::Tensor;
-using torchmha::OptionalTensor;
-using torchmha::is_present;
-using torchmha::optional_if_defined;
+using at::Tensor;  // (OptionalTensor, is_present, optional_if_defined: torchmha's, found from here)
 
 // Query, key and value layouts: (len, N, E), or (N, len, E) with batch_first.
 inline int64_t batch_dim(bool batch_first) {

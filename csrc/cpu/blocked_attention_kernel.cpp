@@ -327,22 +327,19 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
     const bool sdpa_native = dtype == at::kHalf && cpu_has_avx512_fp16();  // its float16 GEMMs
     return !sdpa_native && scores >= 128 * 128;
   }
-  const bool amd_avx2 = cpu_vendor() == Vendor::kAmd && cpu_capability() != Capability::kAvx512;
+  // float32: the kernel from `least` to `most` scores a head, as measured on each CPU kind above.
+  // Hygon (Zen cores, not measured) and other vendors get the Intel sizes, which keep SDPA at large sizes.
+  const bool amd = cpu_vendor() == Vendor::kAmd;
+  const bool avx512 = cpu_capability() == Capability::kAvx512;
+  constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max();
+  const int64_t least = with_grad && !is_causal ? 64 * 64 : 128 * 128;
+  int64_t most = with_grad ? 512 * 512 : 256 * 256;  // Intel
   if (is_causal) {
-    return scores >= 128 * 128 && (with_grad || !amd_avx2 || scores <= 1024 * 1024);
+    most = amd && !avx512 && !with_grad ? 1024 * 1024 : kUnbounded;
+  } else if (amd) {
+    most = avx512 ? kUnbounded : 512 * 512;
   }
-  switch (cpu_vendor()) {
-    case Vendor::kAmd:
-      if (amd_avx2) {
-        return with_grad ? scores >= 64 * 64 && scores <= 512 * 512 : scores >= 128 * 128 && scores <= 512 * 512;
-      }
-      return with_grad ? scores >= 64 * 64 : scores >= 128 * 128;
-    case Vendor::kHygon:  // Zen cores, but not measured: the Intel sizes, which keep SDPA at large sizes
-    case Vendor::kIntel:
-    case Vendor::kOther:
-      break;
-  }
-  return with_grad ? scores >= 64 * 64 && scores <= 512 * 512 : scores >= 128 * 128 && scores <= 256 * 256;
+  return scores >= least && scores <= most;
 }
 
 }  // namespace torchmha::cpu

@@ -11,7 +11,6 @@ namespace torchmha {
 namespace {
 
 using at::Tensor;
-using core::optional_if_defined;
 using torch::nn::Linear;
 
 // v1-v3 share their layout: four Linear layers q_proj, k_proj, v_proj (kdim/vdim -> E), out_proj.

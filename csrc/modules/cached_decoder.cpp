@@ -18,7 +18,6 @@ namespace torchmha {
 namespace {
 
 using at::Tensor;
-using core::optional_if_defined;
 using torch::nn::MultiheadAttentionImpl;
 using torch::nn::TransformerDecoderLayerImpl;
 using torch::nn::TransformerEncoderLayerImpl;

@@ -9,7 +9,6 @@
 namespace torchmha {
 
 using at::Tensor;
-using core::optional_if_defined;
 
 CrossAttentionImpl::CrossAttentionImpl(const CrossAttentionOptions& options_) : options(options_) {
   reset();

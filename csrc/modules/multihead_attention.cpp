@@ -12,7 +12,6 @@
 namespace torchmha {
 
 using at::Tensor;
-using core::optional_if_defined;
 using torch::nn::Linear;
 using torch::nn::LinearOptions;
 

@@ -10,7 +10,6 @@
 namespace torchmha {
 
 using at::Tensor;
-using core::optional_if_defined;
 
 TransformerBlockImpl::TransformerBlockImpl(const TransformerBlockOptions& options_) : options(options_) {
   reset();

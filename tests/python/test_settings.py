@@ -178,6 +178,20 @@ assert causal_blocked(1024) and not causal_blocked(2048) and causal_blocked(2048
     unset = ("TORCHMHA_BLOCKED_KERNEL",)
     run_python_with(code, set_env=env, unset=unset)
     run_python_with(causal, set_env=env, unset=unset)
+    # The other vendors stop at 256^2 (forward): Hygon named as itself, not taken for AMD.
+    intel_sizes = BLOCKED_TAKEN + "assert blocked(torch.float32, 256) and not blocked(torch.float32, 512)"
+    for vendor in ("intel", "hygon", "other"):
+        run_python_with(intel_sizes, set_env={**env, "TORCHMHA_CPU_VENDOR": vendor}, unset=unset)
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs the AVX2 copy")
+def test_the_vendor_is_read_from_the_cpu():
+    """Unforced, the rule sees this CPU's vendor (CPUID, as /proc/cpuinfo's vendor_id): with the AVX2
+    copy a float32 forward at 512^2 takes the kernel on AMD only."""
+    vendor = next(line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id"))
+    code = BLOCKED_TAKEN + f"assert blocked(torch.float32, 512) == {vendor == 'AuthenticAMD'}"
+    run_python_with(code, set_env={"TORCHMHA_CPU_CAPABILITY": "avx2"},
+                    unset=("TORCHMHA_BLOCKED_KERNEL", "TORCHMHA_CPU_VENDOR"))
 
 
 @needs_avx512
