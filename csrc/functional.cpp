@@ -9,6 +9,7 @@
 #include "core/in_projection.h"
 #include "core/layers.h"
 #include "core/multi_head_attention.h"
+#include "core/small_linear.h"
 
 #include <torchmha/errors.h>
 
@@ -28,20 +29,20 @@ std::vector<Tensor> split_projections(const std::vector<core::ProjectionGroup>& 
   return projections;
 }
 
-core::Stack stack_of(const c10::List<OptionalTensor>& params, int64_t num_heads,
-                     const std::vector<std::string>& activations = {}, const std::vector<bool>& norm_first = {},
-                     at::ArrayRef<double> eps = {}, std::optional<double> final_norm_eps = std::nullopt,
-                     bool batch_first = false) {
+core::Stack stack_of(const c10::List<OptionalTensor>& params, const c10::List<OptionalTensor>& weight_scales,
+                     int64_t num_heads, const std::vector<std::string>& activations = {},
+                     const std::vector<bool>& norm_first = {}, at::ArrayRef<double> eps = {},
+                     std::optional<double> final_norm_eps = std::nullopt, bool batch_first = false) {
   const std::vector<OptionalTensor> slots(params.begin(), params.end());
+  const std::vector<OptionalTensor> scales(weight_scales.begin(), weight_scales.end());
   if (activations.empty()) {  // (decoder_memory: only the attentions matter)
     const size_t layers = slots.size() / core::kLayerSlots;
-    return core::stack_from_slots(slots, num_heads, std::vector<c10::string_view>(layers, "relu"),
+    return core::stack_from_slots(slots, scales, num_heads, std::vector<c10::string_view>(layers, "relu"),
                                   std::vector<bool>(layers, false), std::vector<double>(3 * layers, 1e-5),
                                   std::nullopt, batch_first);
   }
   const std::vector<c10::string_view> names(activations.begin(), activations.end());
-  return core::stack_from_slots(slots, num_heads, names, norm_first, eps,
-                                final_norm_eps, batch_first);
+  return core::stack_from_slots(slots, scales, num_heads, names, norm_first, eps, final_norm_eps, batch_first);
 }
 
 }  // namespace
@@ -118,20 +119,32 @@ Tensor transformer_block(const Tensor& x, const FeedForwardParameters& feed_forw
 Tensor decoder_step(const Tensor& tgt, const c10::List<OptionalTensor>& params, const DecoderCache& cache,
     int64_t num_heads, const std::vector<std::string>& activations, const c10::List<bool>& norm_first,
     at::ArrayRef<double> eps, std::optional<double> final_norm_eps, bool batch_first, bool training,
-    const OptionalTensor& new_lengths) {
+    const OptionalTensor& new_lengths, const c10::List<OptionalTensor>& weight_scales) {
   const std::vector<bool> pre_norm(norm_first.begin(), norm_first.end());
-  const auto stack = stack_of(params, num_heads, activations, pre_norm, eps, final_norm_eps, batch_first);
+  const auto stack = stack_of(params, weight_scales, num_heads, activations, pre_norm, eps, final_norm_eps, batch_first);
   return core::stack_step(tgt, stack, cache, new_lengths, training);
 }
 
 std::tuple<Tensor, Tensor, Tensor> decoder_memory(const Tensor& memory, const c10::List<OptionalTensor>& params,
-    int64_t num_heads, bool batch_first, const OptionalTensor& memory_key_padding_mask) {
+    int64_t num_heads, bool batch_first, const OptionalTensor& memory_key_padding_mask,
+    const c10::List<OptionalTensor>& weight_scales) {
   TORCHMHA_CHECK_ARG(memory.dim() == 3, "CachedDecoder: expected memory of shape ", batch_first ? "(N, S, E)" : "(S, N, E)",
                      ", but got ", memory.sizes());
-  auto [keys, values] = core::project_stack_memory(memory, stack_of(params, num_heads, {}, {}, {}, {}, batch_first));
+  auto [keys, values] = core::project_stack_memory(memory, stack_of(params, weight_scales, num_heads, {}, {}, {}, {}, batch_first));
   auto padding = core::memory_padding(memory_key_padding_mask, memory.size(core::batch_dim(batch_first)),
                                       memory.size(core::sequence_dim(batch_first)), keys);
   return {keys, values, padding};
+}
+
+std::tuple<Tensor, Tensor> quantize_weight(const Tensor& weight) {
+  return core::quantize_weight(weight);
+}
+
+std::tuple<c10::List<OptionalTensor>, c10::List<OptionalTensor>> decoder_quantize(
+    const c10::List<OptionalTensor>& params) {
+  const std::vector<OptionalTensor> slots(params.begin(), params.end());
+  auto [weights, scales] = core::quantize_stack_weights(slots);
+  return {c10::List<OptionalTensor>(weights), c10::List<OptionalTensor>(scales)};
 }
 
 void decoder_reorder(const DecoderCache& cache, const Tensor& indices) {

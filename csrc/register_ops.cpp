@@ -80,6 +80,19 @@ void transformer_block_boxed(const OperatorHandle& op, Stack* stack) {
   in.finish(transformer_block(x, feed_forward, attention, in.next_struct<BlockOptions>()));
 }
 
+// The weight scales of the decoder ops (an optional list: a schema's list default must be None).
+c10::List<std::optional<Tensor>> scales_or_none(std::optional<c10::List<std::optional<Tensor>>> scales) {
+  return scales.has_value() ? *std::move(scales) : c10::List<std::optional<Tensor>>();
+}
+
+std::tuple<Tensor, Tensor, Tensor> decoder_memory_op(const Tensor& memory, const c10::List<std::optional<Tensor>>& params,
+                                                     int64_t num_heads, bool batch_first,
+                                                     const std::optional<Tensor>& memory_key_padding_mask,
+                                                     std::optional<c10::List<std::optional<Tensor>>> weight_scales) {
+  return decoder_memory(memory, params, num_heads, batch_first, memory_key_padding_mask,
+                        scales_or_none(std::move(weight_scales)));
+}
+
 void decoder_step_boxed(const OperatorHandle& op, Stack* stack) {
   StackArguments in(op, stack);
   auto tgt = in.next<Tensor>();
@@ -91,8 +104,9 @@ void decoder_step_boxed(const OperatorHandle& op, Stack* stack) {
   const auto eps = in.next<std::vector<double>>();
   const auto final_norm_eps = in.next<std::optional<double>>();
   const auto batch_first = in.next<bool>(), training = in.next<bool>();
+  auto new_lengths = in.next<std::optional<Tensor>>();
   in.finish(decoder_step(tgt, params, cache, num_heads, activations, norm_first, eps, final_norm_eps, batch_first,
-                         training, in.next<std::optional<Tensor>>()));
+                         training, new_lengths, scales_or_none(in.next<std::optional<c10::List<std::optional<Tensor>>>>())));
 }
 
 void decoder_reorder_boxed(const OperatorHandle& op, Stack* stack) {
@@ -154,12 +168,15 @@ TORCH_LIBRARY(torchmha, m) {
       m, "decoder_step",
       "Tensor tgt, Tensor?[] params" + declarations<DecoderCache>() +
           ", int num_heads, str[] activations, bool[] norm_first, float[] eps, float? final_norm_eps, "
-          "bool batch_first, bool training, Tensor? new_lengths=None",
+          "bool batch_first, bool training, Tensor? new_lengths=None, Tensor?[]? weight_scales=None",
       "Tensor");
   m.def(
       "decoder_memory(Tensor memory, Tensor?[] params, int num_heads, bool batch_first, "
-      "Tensor? memory_key_padding_mask=None) -> (Tensor, Tensor, Tensor)",
-      TORCH_FN(decoder_memory));
+      "Tensor? memory_key_padding_mask=None, Tensor?[]? weight_scales=None) -> (Tensor, Tensor, Tensor)",
+      TORCH_FN(ops::decoder_memory_op));
+  // int8 weights for decoding (small_linear.h): made once per weight, then read by the layers.
+  m.def("quantize_weight(Tensor weight) -> (Tensor, Tensor)", TORCH_FN(quantize_weight));
+  m.def("decoder_quantize(Tensor?[] params) -> (Tensor?[], Tensor?[])", TORCH_FN(decoder_quantize));
   ops::define<ops::decoder_reorder_boxed>(m, "decoder_reorder", declarations<DecoderCache>().substr(2) + ", Tensor indices",
                                           "()");
   // A reset empties sequences (lengths) and may replace their memory; it never touches the caches.
@@ -174,6 +191,7 @@ TORCH_LIBRARY(torchmha, m) {
       "Tensor(c!) lengths, Tensor? new_lengths, Tensor? padding, float dropout_p) -> Tensor");
   // The linear layers of a decoding step, for a few rows of x (small_linear.h).
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("quantized_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
   // The attention with weights inside multi_head_attention_forward, where no gradient or dropout
   // is needed: a kernel per device (explicit_attention.h).
   m.def("attention_with_weights(Tensor q, Tensor k, Tensor v, Tensor? mask, bool average) -> (Tensor, Tensor)");
@@ -208,6 +226,7 @@ TORCH_LIBRARY(torchmha, m) {
 TORCH_LIBRARY_IMPL(torchmha, CPU, m) {
   m.impl("decode_attention", TORCH_FN(torchmha::core::decode_attention_cpu));
   m.impl("small_linear", TORCH_FN(torchmha::core::small_linear_cpu));
+  m.impl("quantized_linear", TORCH_FN(torchmha::core::quantized_linear_cpu));
   m.impl("attention_with_weights", TORCH_FN(torchmha::core::attention_with_weights_cpu));
   m.impl("blocked_attention", TORCH_FN(torchmha::core::blocked_attention_cpu));
   m.impl("blocked_attention_backward", TORCH_FN(torchmha::core::blocked_attention_backward_cpu));
@@ -220,6 +239,7 @@ TORCH_LIBRARY_IMPL(torchmha, Meta, m) {
 TORCH_LIBRARY_IMPL(torchmha, CompositeExplicitAutograd, m) {
   m.impl("decode_attention", TORCH_FN(torchmha::core::decode_attention_reference));
   m.impl("small_linear", TORCH_FN(torchmha::core::small_linear_reference));
+  m.impl("quantized_linear", TORCH_FN(torchmha::core::quantized_linear_reference));
   m.impl("attention_with_weights", TORCH_FN(torchmha::core::attention_with_weights_reference));
   m.impl("blocked_attention", TORCH_FN(torchmha::core::blocked_attention_reference));
   m.impl("blocked_attention_backward", TORCH_FN(torchmha::core::blocked_attention_backward_reference));

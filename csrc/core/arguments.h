@@ -20,6 +20,7 @@ struct AttentionWeights {
   bool add_zero_attn = false;     // one more all-zero key/value position
   Tensor out_weight;              // out_proj (E_out, inner)
   OptionalTensor out_bias;
+  OptionalTensor out_weight_scale;  // with an int8 out_weight (small_linear.h)
 
   bool has_extra_key_positions() const { return is_present(bias_k) || is_present(bias_v) || add_zero_attn; }
 };

@@ -133,9 +133,10 @@ Tensor project_output(const Tensor& heads, const AttentionWeights& weights, bool
   // transposed view; its fused path returns (N, L, E) contiguous. The same strides here, so a
   // dropout after the attention draws the same mask under a seed.
   if (batch_first && contiguous) {
-    return linear_layer(heads.transpose(1, 2).flatten(-2), weights.out_weight, weights.out_bias);
+    return linear_layer(heads.transpose(1, 2).flatten(-2), weights.out_weight, weights.out_bias,
+                        weights.out_weight_scale);
   }
-  auto output = linear_layer(merge_heads(heads), weights.out_weight, weights.out_bias);
+  auto output = linear_layer(merge_heads(heads), weights.out_weight, weights.out_bias, weights.out_weight_scale);
   return batch_first ? output.transpose(0, 1) : output;
 }
 

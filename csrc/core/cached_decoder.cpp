@@ -21,13 +21,34 @@ namespace {
 constexpr const char* kWho = "CachedDecoder";
 
 OptionalTensor slot(at::ArrayRef<OptionalTensor> params, int64_t layer, LayerSlot s) {
+  if (params.empty()) {  // (no scales)
+    return std::nullopt;
+  }
   const auto& t = params[layer * kLayerSlots + s];
   return is_present(t) ? t : std::nullopt;
 }
 
+// The scale of the weight in slot `s` (present with an int8 weight only), checked against it.
+OptionalTensor scale_slot(at::ArrayRef<OptionalTensor> params, at::ArrayRef<OptionalTensor> scales, int64_t layer,
+                          LayerSlot s, const char* what) {
+  const auto scale = slot(scales, layer, s);
+  const auto weight = slot(params, layer, s);
+  if (is_present(weight)) {
+    const std::string who = std::string(kWho) + ": layer " + std::to_string(layer) + "'s " + what;
+    check_weight_scale(*weight, scale, who.c_str());
+  }
+  return scale;
+}
+
+bool is_linear_weight(int64_t index) {
+  const auto s = index % kLayerSlots;
+  return s == kSelfInWeight || s == kSelfOutWeight || s == kCrossInWeight || s == kCrossOutWeight ||
+      s == kLinear1Weight || s == kLinear2Weight;
+}
+
 // An attention of torch's layers: packed in-projection (kdim == vdim == d_model), no extra keys.
-AttentionWeights attention_from_slots(at::ArrayRef<OptionalTensor> params, int64_t layer, LayerSlot in_weight,
-                                      int64_t num_heads, const char* which) {
+AttentionWeights attention_from_slots(at::ArrayRef<OptionalTensor> params, at::ArrayRef<OptionalTensor> scales,
+                                      int64_t layer, LayerSlot in_weight, int64_t num_heads, const char* which) {
   AttentionWeights w;
   w.num_heads = num_heads;
   w.in_proj.packed_weight = slot(params, layer, in_weight);
@@ -37,6 +58,9 @@ AttentionWeights attention_from_slots(at::ArrayRef<OptionalTensor> params, int64
               " needs in_proj_weight and out_proj.weight");
   w.out_weight = *out_weight;
   w.out_bias = slot(params, layer, LayerSlot(in_weight + 3));
+  const std::string name(which);
+  w.in_proj.packed_weight_scale = scale_slot(params, scales, layer, in_weight, (name + ".in_proj_weight").c_str());
+  w.out_weight_scale = scale_slot(params, scales, layer, LayerSlot(in_weight + 2), (name + ".out_proj.weight").c_str());
   return w;
 }
 
@@ -100,8 +124,9 @@ Tensor layer_step(Tensor x, const StackLayer& layer, int64_t index, const StackS
                                            *layer.cross_attn, cross_call);
   };
   const auto feed_forward = [&](const Tensor& y) {
-    return linear_layer(activate(linear_layer(y, layer.linear1_weight, layer.linear1_bias), layer.activation),
-                        layer.linear2_weight, layer.linear2_bias);
+    const Tensor hidden = linear_layer(y, layer.linear1_weight, layer.linear1_bias, layer.linear1_weight_scale);
+    return linear_layer(activate(hidden, layer.activation), layer.linear2_weight, layer.linear2_bias,
+                        layer.linear2_weight_scale);
   };
   const bool cross = layer.cross_attn.has_value();
   const LayerNormWeights& ff_norm = cross ? layer.norm3 : layer.norm2;
@@ -140,22 +165,24 @@ Activation parse_activation(c10::string_view name) {
   return {Activation::kOp, std::string(name.substr(3))};
 }
 
-Stack stack_from_slots(at::ArrayRef<OptionalTensor> params, int64_t num_heads, at::ArrayRef<c10::string_view> activations,
-                       const std::vector<bool>& norm_first, at::ArrayRef<double> eps, std::optional<double> final_norm_eps,
-                       bool batch_first) {
+Stack stack_from_slots(at::ArrayRef<OptionalTensor> params, at::ArrayRef<OptionalTensor> scales, int64_t num_heads,
+                       at::ArrayRef<c10::string_view> activations, const std::vector<bool>& norm_first,
+                       at::ArrayRef<double> eps, std::optional<double> final_norm_eps, bool batch_first) {
   const int64_t n = static_cast<int64_t>(activations.size());
   TORCH_CHECK_VALUE(n > 0 && static_cast<int64_t>(params.size()) == n * kLayerSlots + 2 &&
                         static_cast<int64_t>(norm_first.size()) == n && static_cast<int64_t>(eps.size()) == 3 * n,
                     kWho, ": expected ", kLayerSlots, " parameters per layer and 2 for the final norm, a norm_first ",
                     "and 3 eps per layer, for ", n, " layers; got ", params.size(), " parameters, ",
                     norm_first.size(), " norm_first, ", eps.size(), " eps");
+  TORCH_CHECK_VALUE(scales.empty() || scales.size() == params.size(), kWho, ": expected a weight scale per ",
+                    "parameter (", params.size(), "), or none, but got ", scales.size());
   Stack stack;
   stack.batch_first = batch_first;
   for (int64_t l = 0; l < n; ++l) {
     StackLayer layer;
-    layer.self_attn = attention_from_slots(params, l, kSelfInWeight, num_heads, "self_attn");
+    layer.self_attn = attention_from_slots(params, scales, l, kSelfInWeight, num_heads, "self_attn");
     if (is_present(slot(params, l, kCrossInWeight))) {
-      layer.cross_attn = attention_from_slots(params, l, kCrossInWeight, num_heads, "multihead_attn");
+      layer.cross_attn = attention_from_slots(params, scales, l, kCrossInWeight, num_heads, "multihead_attn");
     }
     const auto w1 = slot(params, l, kLinear1Weight), w2 = slot(params, l, kLinear2Weight);
     TORCH_CHECK(is_present(w1) && is_present(w2), kWho, ": layer ", l, " needs linear1.weight and linear2.weight");
@@ -163,6 +190,12 @@ Stack stack_from_slots(at::ArrayRef<OptionalTensor> params, int64_t num_heads, a
     layer.linear2_weight = *w2;
     layer.linear1_bias = slot(params, l, kLinear1Bias);
     layer.linear2_bias = slot(params, l, kLinear2Bias);
+    layer.linear1_weight_scale = scale_slot(params, scales, l, kLinear1Weight, "linear1.weight");
+    layer.linear2_weight_scale = scale_slot(params, scales, l, kLinear2Weight, "linear2.weight");
+    for (int64_t s = 0; s < kLayerSlots; ++s) {
+      TORCH_CHECK_VALUE(is_linear_weight(s) || !is_present(slot(scales, l, LayerSlot(s))), kWho, ": layer ", l,
+                        "'s parameter ", s, " is not a linear weight, and takes no scale");
+    }
     layer.norm1 = norm_from_slots(params, l, kNorm1Weight, eps[3 * l]);
     layer.norm2 = norm_from_slots(params, l, kNorm2Weight, eps[3 * l + 1]);
     layer.norm3 = norm_from_slots(params, l, kNorm3Weight, eps[3 * l + 2]);
@@ -172,6 +205,8 @@ Stack stack_from_slots(at::ArrayRef<OptionalTensor> params, int64_t num_heads, a
                       kWho, ": the layers mix decoder and encoder layers");
     stack.layers.push_back(std::move(layer));
   }
+  TORCH_CHECK_VALUE(scales.empty() || (!is_present(scales[n * kLayerSlots]) && !is_present(scales[n * kLayerSlots + 1])),
+                    kWho, ": the final norm takes no scale");
   if (final_norm_eps.has_value()) {
     const auto tail = params.slice(n * kLayerSlots);
     stack.final_norm = LayerNormWeights{is_present(tail[0]) ? tail[0] : std::nullopt,
@@ -200,6 +235,20 @@ Tensor stack_step(const Tensor& tgt, const Stack& stack, const StackState& state
     state.lengths.add_(tgt.size(sequence_dim(stack.batch_first)));
   }
   return x;
+}
+
+std::tuple<std::vector<OptionalTensor>, std::vector<OptionalTensor>> quantize_stack_weights(
+    at::ArrayRef<OptionalTensor> params) {
+  TORCH_CHECK_VALUE(params.size() % kLayerSlots == 2, kWho, ": expected ", kLayerSlots, " parameters per layer and 2 ",
+                    "for the final norm, but got ", params.size());
+  std::vector<OptionalTensor> weights(params.size()), scales(params.size());
+  for (size_t i = 0; i + 2 < params.size(); ++i) {
+    if (is_linear_weight(static_cast<int64_t>(i)) && is_present(params[i])) {
+      const at::NoGradGuard no_grad;
+      std::tie(weights[i], scales[i]) = quantize_weight(*params[i]);
+    }
+  }
+  return {weights, scales};
 }
 
 std::tuple<Tensor, Tensor> project_stack_memory(const Tensor& memory, const Stack& stack) {

@@ -39,6 +39,7 @@ struct StackLayer {
   std::optional<AttentionWeights> cross_attn;
   Tensor linear1_weight, linear2_weight;
   OptionalTensor linear1_bias, linear2_bias;
+  OptionalTensor linear1_weight_scale, linear2_weight_scale;  // with int8 weights
   LayerNormWeights norm1, norm2, norm3;
   Activation activation;
   bool norm_first = false;
@@ -56,16 +57,25 @@ enum LayerSlot : int64_t {
 
 /// The layers from the ops' flat parameter list (layers * kLayerSlots + 2 entries), with each
 /// layer's activation name, norm_first and norm eps (norm1, norm2, norm3: 3 per layer).
-/// Throws naming the mismatch when the list's length or a layer's parameters do not fit.
+/// `scales` is empty, or as long as `params` with the float32 scale of each int8 weight (the
+/// attentions' in- and out-projections, linear1, linear2; small_linear.h's quantize_weight) and
+/// nothing elsewhere. Throws naming the mismatch when the lists' lengths or a layer's parameters
+/// do not fit.
 struct Stack {
   std::vector<StackLayer> layers;
   std::optional<LayerNormWeights> final_norm;
   bool batch_first = false;
   bool decoder() const { return layers.front().cross_attn.has_value(); }
 };
-Stack stack_from_slots(at::ArrayRef<OptionalTensor> params, int64_t num_heads, at::ArrayRef<c10::string_view> activations,
-                       const std::vector<bool>& norm_first, at::ArrayRef<double> eps, std::optional<double> final_norm_eps,
-                       bool batch_first);
+Stack stack_from_slots(at::ArrayRef<OptionalTensor> params, at::ArrayRef<OptionalTensor> scales, int64_t num_heads,
+                       at::ArrayRef<c10::string_view> activations, const std::vector<bool>& norm_first,
+                       at::ArrayRef<double> eps, std::optional<double> final_norm_eps, bool batch_first);
+
+/// int8 copies of the linear weights in a parameter list (stack_from_slots' order): {weights, scales},
+/// each as long as `params`, with quantize_weight's int8 weight and float32 scale at each linear
+/// weight's index (the attentions' in- and out-projections, linear1, linear2) and nothing elsewhere.
+std::tuple<std::vector<OptionalTensor>, std::vector<OptionalTensor>> quantize_stack_weights(
+    at::ArrayRef<OptionalTensor> params);
 
 /// What a generation holds between steps. keys, values: (layers, N, H, M, D) self-attention
 /// caches; lengths (N,) int64; a decoder's memory keys and values (layers, N, H, S, D) and its

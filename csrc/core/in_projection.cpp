@@ -114,11 +114,12 @@ namespace {
 // takes another op on a strided 3-D input (matmul, then add) than on a contiguous one (addmm):
 // a bias whose dtype is not the input's (promoted by the one, rejected by the other), and an input
 // whose features do not fit the weight (the error names the op from torch 2.15 on).
-Tensor linear_in_torch_layout(const Tensor& x, const Tensor& weight, const OptionalTensor& bias, bool batch_first) {
+Tensor linear_in_torch_layout(const Tensor& x, const Tensor& weight, const OptionalTensor& bias,
+                              const OptionalTensor& scale, bool batch_first) {
   const bool bias_of_other_dtype = is_present(bias) && bias->scalar_type() != x.scalar_type();
   const bool misfit = x.dim() == 3 && weight.dim() == 2 && x.size(-1) != weight.size(1);
-  if (!batch_first || x.dim() != 3 || !(bias_of_other_dtype || misfit)) {
-    return linear_layer(x, weight, bias);
+  if (!batch_first || x.dim() != 3 || !(bias_of_other_dtype || misfit) || is_present(scale)) {
+    return linear_layer(x, weight, bias, scale);
   }
   return at::linear(x.transpose(0, 1), weight, bias).transpose(0, 1);
 }
@@ -140,8 +141,10 @@ std::vector<ProjectionGroup> project(
       continue;
     }
     const Tensor weight = w.packed() ? *packed_rows(w.packed_weight, first, parts, inner) : *w.weights[first];
-    groups.push_back(
-        {first, parts, linear_in_torch_layout(*inputs[first], weight, bias_of(w, first, parts, inner), batch_first)});
+    const OptionalTensor scale = w.packed() ? packed_rows(w.packed_weight_scale, first, parts, inner) : std::nullopt;
+    groups.push_back({first, parts,
+                      linear_in_torch_layout(*inputs[first], weight, bias_of(w, first, parts, inner), scale,
+                                             batch_first)});
   }
   return groups;
 }

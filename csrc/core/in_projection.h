@@ -18,6 +18,7 @@ struct InProjection {
   OptionalTensor packed_weight, packed_bias;
   std::array<OptionalTensor, 3> weights;  // q, k, v (separate form)
   std::array<OptionalTensor, 3> biases;   // q, k, v (separate form)
+  OptionalTensor packed_weight_scale = {};  // with an int8 packed weight (small_linear.h)
 
   bool packed() const { return is_present(packed_weight); }
   /// Rows of each projection's output (inner), read off the first weight present.

@@ -26,18 +26,31 @@ bool needs_grad(const Tensor& x, const Tensor& weight, const OptionalTensor& bia
 }
 
 
+// A dispatcher op, found once.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
 }  // namespace
 
-Tensor linear_layer(const Tensor& x, const Tensor& weight, const OptionalTensor& bias) {
+Tensor linear_layer(const Tensor& x, const Tensor& weight, const OptionalTensor& bias, const OptionalTensor& scale) {
+  if (is_present(scale)) {
+    // (the op has no autograd formula; the reference is differentiable in x)
+    if (needs_grad(x, weight, bias)) {
+      return quantized_linear_reference(x, weight, *scale, bias);
+    }
+    static auto op = find_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const OptionalTensor&)>(
+        "torchmha::quantized_linear");
+    return op.call(x, weight, *scale, bias);
+  }
   // (symbolic shapes, under torch.compile(dynamic=True): the op is for a step's fixed few rows)
   if (!x.device().is_cpu() || needs_grad(x, weight, bias) || x.dim() == 0 ||
       x.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || x.size(-1) == 0 || x.numel() == 0 ||
       !cpu::small_linear_serves(x.numel() / x.size(-1))) {
     return at::linear(x, weight, bias);
   }
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("torchmha::small_linear", "")
-                       .typed<Tensor(const Tensor&, const Tensor&, const OptionalTensor&)>();
+  static auto op = find_op<Tensor(const Tensor&, const Tensor&, const OptionalTensor&)>("torchmha::small_linear");
   return op.call(x, weight, bias);
 }
 
@@ -50,6 +63,48 @@ Tensor small_linear_cpu(const Tensor& x, const Tensor& weight, const OptionalTen
     return *std::move(y);
   }
   return at::linear(x, weight, bias);
+}
+
+std::tuple<Tensor, Tensor> quantize_weight(const Tensor& weight) {
+  TORCH_CHECK_VALUE(weight.dim() == 2 && at::isFloatingType(weight.scalar_type()),
+                    "quantize_weight: expected a 2-D floating weight (out_features, in_features), but got ",
+                    weight.scalar_type(), " of shape ", weight.sizes());
+  const Tensor w = weight.detach().to(at::kFloat);
+  Tensor scale = w.abs().amax(1).div_(127);
+  scale.masked_fill_(scale == 0, 1);  // an all-zero row: any scale gives zeros
+  const Tensor q = w.div(scale.unsqueeze(1)).round_().clamp_(-127, 127).to(at::kChar);
+  return {q.contiguous(), scale.contiguous()};
+}
+
+void check_weight_scale(const Tensor& weight, const OptionalTensor& scale, const char* what) {
+  if (!is_present(scale)) {
+    TORCH_CHECK_VALUE(weight.scalar_type() != at::kChar, what, ": an int8 weight needs its scale (quantize_weight's)");
+    return;
+  }
+  TORCH_CHECK_VALUE(weight.scalar_type() == at::kChar && weight.dim() == 2, what, ": a scale goes with an int8 ",
+                    "(out_features, in_features) weight, but the weight is ", weight.scalar_type(), " of shape ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(scale->scalar_type() == at::kFloat && scale->dim() == 1 && scale->size(0) == weight.size(0) &&
+                        scale->device() == weight.device(),
+                    what, ": expected a float32 scale of shape (", weight.size(0), ",) on ", weight.device(),
+                    " for the int8 weight ", weight.sizes(), ", but got ", scale->scalar_type(), " of shape ",
+                    scale->sizes(), " on ", scale->device());
+}
+
+Tensor quantized_linear_reference(const Tensor& x, const Tensor& weight, const Tensor& scale,
+                                  const OptionalTensor& bias) {
+  check_weight_scale(weight, scale, "quantized_linear");
+  // weight * scale exactly in float64, rounded once to float32 otherwise
+  const auto exact = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const Tensor dequantized = weight.to(exact).mul_(scale.to(exact).unsqueeze(1)).to(x.scalar_type());
+  return at::linear(x, dequantized, bias);
+}
+
+Tensor quantized_linear_cpu(const Tensor& x, const Tensor& weight, const Tensor& scale, const OptionalTensor& bias) {
+  if (auto y = cpu::quantized_linear(x, weight, scale, bias)) {
+    return *std::move(y);
+  }
+  return quantized_linear_reference(x, weight, scale, bias);
 }
 
 }  // namespace torchmha::core

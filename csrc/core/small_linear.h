@@ -8,15 +8,39 @@
 
 #include "common.h"
 
+#include <tuple>
+
 namespace torchmha::core {
 
 /// at::linear, through the small-batch op where it applies: inference (no gradient needed) with at
 /// most kernel::kLinearMaxRows rows of x, float32/bfloat16/float16 on the CPU.
-/// TORCHMHA_SMALL_LINEAR=0 keeps at::linear everywhere.
-Tensor linear_layer(const Tensor& x, const Tensor& weight, const OptionalTensor& bias);
+/// TORCHMHA_SMALL_LINEAR=0 keeps at::linear everywhere. With a `scale`, the weight is int8
+/// (quantize_weight's) and the layer is the op torchmha::quantized_linear.
+Tensor linear_layer(const Tensor& x, const Tensor& weight, const OptionalTensor& bias,
+                    const OptionalTensor& scale = std::nullopt);
 
 /// The op's kernels: the CPU kernel (at::linear where it does not apply) and the reference.
 Tensor small_linear_cpu(const Tensor& x, const Tensor& weight, const OptionalTensor& bias);
 Tensor small_linear_reference(const Tensor& x, const Tensor& weight, const OptionalTensor& bias);
+
+// ------------------------------------------------------------------ int8 weights (weight-only)
+// A decoding step reads every weight once per token: int8 weights read a quarter of float32's
+// bytes, half of bfloat16's. Symmetric, one scale per output channel; activations stay in their
+// dtype and the sums are taken in float.
+
+/// {int8 weight, float32 scale (O,)} of a 2-D floating weight (O, K): scale = max|row| / 127 (1
+/// for an all-zero row), weight = round(row / scale), within [-127, 127].
+std::tuple<Tensor, Tensor> quantize_weight(const Tensor& weight);
+
+/// Throws naming `what` unless `scale` fits `weight`: int8 (O, K) with a float32 (O,) scale on
+/// its device, or a floating weight with no scale.
+void check_weight_scale(const Tensor& weight, const OptionalTensor& scale, const char* what);
+
+/// The op quantized_linear's kernels: the reference dequantizes (weight * scale, in x's dtype)
+/// and runs at::linear, on any device and differentiable in x; the CPU kernel reads the int8 rows
+/// for a few rows of x (the reference elsewhere).
+Tensor quantized_linear_reference(const Tensor& x, const Tensor& weight, const Tensor& scale,
+                                  const OptionalTensor& bias);
+Tensor quantized_linear_cpu(const Tensor& x, const Tensor& weight, const Tensor& scale, const OptionalTensor& bias);
 
 }  // namespace torchmha::core

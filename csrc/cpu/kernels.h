@@ -77,5 +77,9 @@ std::optional<Tensor> decode_attention(const Tensor& q, const Tensor& k_new, con
 bool small_linear_serves(int64_t rows);
 /// y = x W^T + b, as the op torchmha::small_linear (float32/bfloat16/float16).
 std::optional<Tensor> small_linear(const Tensor& x, const Tensor& weight, const OptionalTensor& bias);
+/// y = (x W^T) * scale + b with W int8 (O, K) and scale (O,) float32, as the op
+/// torchmha::quantized_linear: each int8 row read once, the sum taken in float.
+std::optional<Tensor> quantized_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
+                                       const OptionalTensor& bias);
 
 }  // namespace torchmha::cpu

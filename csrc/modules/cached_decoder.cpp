@@ -10,6 +10,7 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 
+#include <mutex>
 #include <string>
 #include <variant>
 #include <vector>
@@ -177,18 +178,88 @@ const MultiheadAttentionImpl& first_attention(const torch::nn::ModuleList& layer
                  : *layer_at<TransformerEncoderLayerImpl>(layers, 0, "torch::nn::TransformerEncoderLayer").self_attn;
 }
 
+// What changes when a weight does: replaced (its TensorImpl), written in place (its version),
+// moved or cast (its storage).
+struct WeightStamp {
+  const void* impl;
+  uint32_t version;
+  const void* data;
+  bool operator==(const WeightStamp& other) const {
+    return impl == other.impl && version == other.version && data == other.data;
+  }
+};
+
+WeightStamp stamp(const Tensor& weight) {
+  return {weight.unsafeGetTensorImpl(), weight._version(), weight.const_data_ptr()};
+}
+
 }  // namespace
+
+// ---------------------------------------------------------------------------- int8 weights
+
+struct CachedDecoder::Int8Weights {
+  std::mutex mutex;  // (steps of one model from several threads re-quantize once)
+  Params weights, scales;
+  std::vector<size_t> slots;  // the linear weights' indices in the parameter list
+  std::vector<WeightStamp> stamps;
+
+  void quantize(const Params& params) {
+    std::tie(weights, scales) = decoder_quantize(params);
+    slots.clear();
+    stamps.clear();
+    for (size_t i = 0; i < weights.size(); ++i) {
+      if (weights.get(i).has_value()) {
+        slots.push_back(i);
+        stamps.push_back(stamp(*params.get(i)));
+      }
+    }
+  }
+
+  bool fresh(const Params& params) const {
+    for (size_t j = 0; j < slots.size(); ++j) {
+      const auto weight = params.get(slots[j]);
+      if (!weight.has_value() || !(stamp(*weight) == stamps[j])) {
+        return false;
+      }
+    }
+    return true;
+  }
+};
 
 // -------------------------------------------------------------------------- CachedDecoder
 
-CachedDecoder::CachedDecoder(torch::nn::TransformerDecoder decoder) : decoder_(std::move(decoder)) {
+CachedDecoder::CachedDecoder(torch::nn::TransformerDecoder decoder, std::optional<at::ScalarType> weight_dtype)
+    : decoder_(std::move(decoder)), weight_dtype_(weight_dtype) {
   TORCH_CHECK_VALUE(decoder_, kWho, ": the TransformerDecoder is empty (nullptr)");
   check_stack();
 }
 
-CachedDecoder::CachedDecoder(torch::nn::TransformerEncoder encoder) : encoder_(std::move(encoder)) {
+CachedDecoder::CachedDecoder(torch::nn::TransformerEncoder encoder, std::optional<at::ScalarType> weight_dtype)
+    : encoder_(std::move(encoder)), weight_dtype_(weight_dtype) {
   TORCH_CHECK_VALUE(encoder_, kWho, ": the TransformerEncoder is empty (nullptr)");
   check_stack();
+}
+
+void CachedDecoder::refresh() const {
+  if (int8_) {
+    const std::lock_guard<std::mutex> lock(int8_->mutex);
+    int8_->quantize(parameter_list());
+  }
+}
+
+std::pair<Params, Params> CachedDecoder::step_parameters() const {
+  Params params = parameter_list();
+  if (!int8_) {
+    return {params, Params()};
+  }
+  const std::lock_guard<std::mutex> lock(int8_->mutex);
+  if (!int8_->fresh(params)) {
+    int8_->quantize(params);
+  }
+  for (const size_t i : int8_->slots) {
+    params.set(i, int8_->weights.get(i));
+  }
+  return {params, int8_->scales};
 }
 
 const torch::nn::ModuleList& CachedDecoder::layers() const {
@@ -216,6 +287,12 @@ void CachedDecoder::check_stack() {
   norm_first_ = std::move(config.norm_first);
   eps_ = std::move(config.eps);
   final_norm_eps_ = config.final_norm_eps;
+  TORCH_CHECK_VALUE(!weight_dtype_.has_value() || *weight_dtype_ == at::kChar, kWho, ": weight_dtype must be ",
+                    "at::kChar (int8) or none (the model's own weights), not ", *weight_dtype_);
+  if (weight_dtype_.has_value()) {
+    int8_ = std::make_shared<Int8Weights>();
+    int8_->quantize(parameter_list());
+  }
 }
 
 c10::List<std::optional<at::Tensor>> CachedDecoder::parameter_list() const {
@@ -235,8 +312,9 @@ std::tuple<Tensor, Tensor, Tensor> CachedDecoder::project_memory(const Tensor& m
   TORCH_CHECK_VALUE(is_decoder(), kWho, ": an encoder has no memory; new_state and reset take memory only for a ",
                     "decoder (torch::nn::TransformerDecoder)");
   TORCH_CHECK_VALUE(memory.defined(), kWho, ": memory_key_padding_mask goes with a memory");
-  return decoder_memory(memory, parameter_list(), num_heads_, /*batch_first=*/false,
-                        optional_if_defined(memory_key_padding_mask));
+  const auto [params, scales] = step_parameters();
+  return decoder_memory(memory, params, num_heads_, /*batch_first=*/false, optional_if_defined(memory_key_padding_mask),
+                        scales);
 }
 
 DecoderState CachedDecoder::new_state(int64_t batch_size, int64_t max_length, const Tensor& memory,
@@ -261,8 +339,10 @@ DecoderState CachedDecoder::new_state(int64_t batch_size, int64_t max_length, co
 
 Tensor CachedDecoder::forward(const Tensor& tgt, DecoderState& state, const Tensor& new_lengths) const {
   const bool training = is_decoder() ? decoder_->is_training() : encoder_->is_training();
-  return decoder_step(tgt, parameter_list(), state.cache(), num_heads_, activations_, norm_first_, eps_,
-                      final_norm_eps_, /*batch_first=*/false, training, optional_if_defined(new_lengths));}
+  const auto [params, scales] = step_parameters();
+  return decoder_step(tgt, params, state.cache(), num_heads_, activations_, norm_first_, eps_, final_norm_eps_,
+                      /*batch_first=*/false, training, optional_if_defined(new_lengths), scales);
+}
 
 // --------------------------------------------------------------------------- DecoderState
 

@@ -9,7 +9,9 @@ key/value cache, in one C++ op a step (``torch.ops.torchmha.decoder_step``)::
     y = dec(prompt, state)          # prefill: the model's output at the prompt's positions
     y_t = dec(x_t, state)           # then one (or more) positions at a time
 
-The parameters are the model's own, read on every step; nothing is copied.
+The parameters are the model's own, read on every step; nothing is copied. With
+``weight_dtype=torch.int8`` the layers' linear weights are read as int8 copies instead (one scale
+per output channel), made once and made again when a weight changes.
 """
 
 from typing import List, Optional, Tuple
@@ -121,6 +123,31 @@ def _module_params(module: Optional[nn.Module]) -> list:
     return [None, None] if module is None else [_p(module, "weight"), _p(module, "bias")]
 
 
+def _stamp(weight: Tensor) -> tuple:
+    """What changes when a weight does: replaced (its id), written in place (its version), moved or
+    cast by module.to() (its storage)."""
+    return id(weight), weight._version, weight.data_ptr()
+
+
+class _Int8Weights:
+    """The int8 copies of the layers' linear weights and their scales, in the ops' parameter order
+    (torch.ops.torchmha.decoder_quantize), and the stamps of the weights they were made from."""
+
+    def __init__(self, params: List[Optional[Tensor]]) -> None:
+        self.weights, self.scales = ops.decoder_quantize(params)
+        self.slots = [i for i, w in enumerate(self.weights) if w is not None]
+        self.stamps = [_stamp(params[i]) for i in self.slots]
+
+    def fresh(self, params: List[Optional[Tensor]]) -> bool:
+        return [_stamp(params[i]) for i in self.slots] == self.stamps
+
+    def apply(self, params: List[Optional[Tensor]]) -> List[Optional[Tensor]]:
+        """params with the int8 copies in the weights' places."""
+        for i in self.slots:
+            params[i] = self.weights[i]
+        return params
+
+
 class DecoderState:
     """What a generation holds between steps (from :meth:`CachedDecoder.new_state`).
 
@@ -192,9 +219,18 @@ class CachedDecoder(nn.Module):
     prefix. It runs in one op (``torch.ops.torchmha.decoder_step``) reading the model's current
     parameters; the layers' structure (types, activations, norm_first, the norms' eps) is read at
     construction. The model must be in eval mode.
+
+    ``weight_dtype=torch.int8`` reads int8 copies of the layers' linear weights instead (the
+    attentions' in- and out-projections, linear1, linear2): symmetric, one float32 scale per
+    output channel (``torch.ops.torchmha.quantize_weight``). Activations, biases, norms and the caches keep
+    the model's dtype; the model's parameters are left as they are. A step notices a weight that
+    changed since (trained further, loaded, replaced, moved) and quantizes again; ``refresh()``
+    does so at once, and is needed after a write through ``.data`` (which no version counter
+    sees) and, under ``torch.compile``, after any change. On the CPU a step reads a quarter of float32's weight bytes; elsewhere the
+    int8 weights are dequantized per layer (the same result, not faster).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, weight_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         layers, final_norm, decoder = _stack_of(model)
         self.model = model
@@ -213,6 +249,30 @@ class CachedDecoder(nn.Module):
         self._eps = [float(getattr(layer, name).eps) if hasattr(layer, name) else 1e-5
                      for layer in layers for name in ("norm1", "norm2", "norm3")]
         self._final_eps = None if final_norm is None else float(final_norm.eps)
+        if weight_dtype not in (None, torch.int8):
+            raise ValueError(f"CachedDecoder: weight_dtype must be None (the model's own weights) or torch.int8, "
+                             f"not {weight_dtype}")
+        self.weight_dtype: Optional[torch.dtype] = weight_dtype
+        self._int8: Optional[_Int8Weights] = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """With weight_dtype=torch.int8: quantizes the layers' linear weights again, from the
+        model's parameters now (a step also does so when it sees that one changed)."""
+        if self.weight_dtype is torch.int8:
+            self._int8 = _Int8Weights(self.parameter_list())
+
+    def _step_params(self) -> Tuple[List[Optional[Tensor]], List[Optional[Tensor]]]:
+        """The ops' params and weight_scales: the model's parameters, with the int8 copies (made
+        again if a weight changed) in the weights' places."""
+        params = self.parameter_list()
+        if self._int8 is None:
+            return params, []
+        # (torch.compile cannot trace the stamps' data pointers: a compiled step serves the int8
+        # weights as they are; refresh() after a change)
+        if not torch.compiler.is_compiling() and not self._int8.fresh(params):
+            self._int8 = _Int8Weights(params)
+        return self._int8.apply(params), self._int8.scales
 
     def parameter_list(self) -> List[Optional[Tensor]]:
         """The layers' parameters in the op's order (functional.h: 18 a layer, then the final
@@ -231,7 +291,8 @@ class CachedDecoder(nn.Module):
         if not self.is_decoder:
             raise ValueError("CachedDecoder: an encoder has no memory; new_state and reset take memory only "
                              "for a decoder (nn.Transformer, nn.TransformerDecoder)")
-        return ops.decoder_memory(memory, self.parameter_list(), self.num_heads, self.batch_first, mask)
+        params, scales = self._step_params()
+        return ops.decoder_memory(memory, params, self.num_heads, self.batch_first, mask, scales)
 
     def new_state(self, batch_size: int, max_length: int, memory: Optional[Tensor] = None,
                   memory_key_padding_mask: Optional[Tensor] = None) -> DecoderState:
@@ -258,7 +319,8 @@ class CachedDecoder(nn.Module):
         """Appends ``tgt`` ((T, N, E), batch_first (N, T, E)) to the sequences of ``state`` and returns
         the model's output at those positions; sequence n takes its first ``new_lengths[n]``
         ((N,) int64; all T if None), and its rows past that are zeros."""
+        params, scales = self._step_params()
         return ops.decoder_step(
-            tgt, self.parameter_list(), *state._cache(), self.num_heads, self._activations, self._norm_first,
-            self._eps, self._final_eps, self.batch_first, self.model.training, new_lengths,
+            tgt, params, *state._cache(), self.num_heads, self._activations, self._norm_first,
+            self._eps, self._final_eps, self.batch_first, self.model.training, new_lengths, scales,
         )

@@ -208,4 +208,70 @@ TEST(CachedDecoder, UnsupportedActivationOrFinalNormIsATypeError) {
   EXPECT_THROW(torchmha::CachedDecoder{with_identity}, c10::TypeError);
 }
 
+// ------------------------------------------------------------------------------ int8 weights
+
+bool is_linear_weight(const std::string& name) {
+  for (const std::string end : {"in_proj_weight", "out_proj.weight", "linear1.weight", "linear2.weight"}) {
+    if (name.size() >= end.size() && name.compare(name.size() - end.size(), end.size(), end) == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// The model with its linear weights replaced by the int8 weights CachedDecoder reads, dequantized:
+// the float model an int8 step must equal.
+template <typename Model>
+Model dequantized(const Model& model) {
+  auto copy = std::dynamic_pointer_cast<typename Model::Impl>(model->clone());
+  torch::NoGradGuard no_grad;
+  for (auto& p : copy->named_parameters()) {
+    if (is_linear_weight(p.key())) {
+      const auto [q, scale] = torchmha::quantize_weight(p.value());
+      p.value().copy_(q.to(torch::kFloat64) * scale.to(torch::kFloat64).unsqueeze(1));
+    }
+  }
+  return Model(copy);
+}
+
+TEST(CachedDecoder, Int8StepsEqualTheDequantizedModel) {
+  torch::manual_seed(3);
+  auto model = make_decoder();
+  torchmha::CachedDecoder dec(model, torch::kChar);
+  EXPECT_EQ(dec.weight_dtype(), torch::kChar);
+  auto reference = dequantized(model);
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randn({kPrompt + 3, 2, kDModel}, f64());
+  const auto memory = torch::randn({kMemoryLength, 2, kDModel}, f64());
+  auto state = dec.new_state(2, 8, memory);
+  expect_steps_match(dec, state, x, [&](const Tensor& prefix) { return decoder_forward(reference, prefix, memory); });
+  // and the quantization shows: the model's own float weights give another answer
+  EXPECT_GT((dec(x.narrow(0, 0, 1), state = dec.new_state(2, 8, memory)) -
+             decoder_forward(model, x.narrow(0, 0, 1), memory)).abs().max().item<double>(), 1e-5);
+}
+
+TEST(CachedDecoder, Int8WeightsFollowAChangedModel) {
+  torch::manual_seed(4);
+  auto model = make_encoder();
+  torchmha::CachedDecoder dec(model, torch::kChar);
+  torch::NoGradGuard no_grad;
+  for (auto& p : model->parameters()) {
+    p.mul_(1.25);  // in place, after the CachedDecoder was made: seen by the version counters
+  }
+  const auto x = torch::randn({kPrompt, 2, kDModel}, f64());
+  auto state = dec.new_state(2, 4);
+  auto reference = dequantized(model);
+  expect_close(dec(x, state), encoder_forward(reference, x));
+  model->layers[0]->as<torch::nn::TransformerEncoderLayer>()->linear1->weight.data().mul_(-1);  // unseen
+  dec.refresh();
+  state = dec.new_state(2, 4);
+  reference = dequantized(model);
+  expect_close(dec(x, state), encoder_forward(reference, x));
+}
+
+TEST(CachedDecoder, OnlyInt8IsAWeightDtype) {
+  auto model = make_encoder();
+  expect_error([&] { torchmha::CachedDecoder(model, torch::kHalf); }, "weight_dtype must be at::kChar");
+}
+
 }  // namespace

@@ -69,11 +69,11 @@ class Generation:
     """Drives a CachedDecoder over N sequences of known tokens, keeping each sequence's outputs,
     and checks them against the model's forward over each sequence's own prefix."""
 
-    def __init__(self, model, N, max_length, dtype, memory_len=S, memory_mask=False, seed=0):
+    def __init__(self, model, N, max_length, dtype, memory_len=S, memory_mask=False, seed=0, weight_dtype=None):
         gen = torch.Generator().manual_seed(seed)
         self.model, self.dtype = model, dtype
         self.batch_first = CachedDecoderBatchFirst(model)
-        self.dec = torchmha.CachedDecoder(model)
+        self.dec = torchmha.CachedDecoder(model, weight_dtype=weight_dtype)
         self.tokens = [torch.randn(max_length, E, generator=gen, dtype=torch.float64).to(dtype) for _ in range(N)]
         self.memory = [torch.randn(memory_len, E, generator=gen, dtype=torch.float64).to(dtype) for _ in range(N)]
         self.memory_mask = None

@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/modules/transformercoder.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -29,7 +30,12 @@ class DecoderState;
 /// there, equal to the module's forward over each sequence's own prefix with a causal tgt_mask
 /// (src_mask for an encoder). The layers may use kReLU or kGELU; a std::function activation is
 /// refused (c10::TypeError). The model must be in eval mode (dropout would make steps differ).
-/// The modules are held, not copied: every step reads their current parameters.
+/// The modules are held, not copied: every step reads their current parameters. With
+/// weight_dtype = at::kChar, the layers' linear weights are read as int8 copies instead (one float32
+/// scale per output channel; activations, norms and caches keep the model's dtype): made at
+/// construction, and again when a step sees that a weight changed (written in place, replaced,
+/// moved); refresh() makes them at once (needed after a write through .data(), which no version
+/// counter sees).
 /// ```
 /// torch::nn::TransformerDecoder model(torch::nn::TransformerDecoderOptions(layer, 6));
 /// model->eval();
@@ -44,8 +50,15 @@ class TORCHMHA_API CachedDecoder {
  public:
   /// Throws c10::ValueError for a stack without layers, c10::TypeError for a layer, attention,
   /// activation or final norm (not a LayerNorm) that the step cannot compute.
-  explicit CachedDecoder(torch::nn::TransformerDecoder decoder);
-  explicit CachedDecoder(torch::nn::TransformerEncoder encoder);
+  /// A weight_dtype other than at::kChar is a c10::ValueError.
+  explicit CachedDecoder(torch::nn::TransformerDecoder decoder,
+                         std::optional<at::ScalarType> weight_dtype = std::nullopt);
+  explicit CachedDecoder(torch::nn::TransformerEncoder encoder,
+                         std::optional<at::ScalarType> weight_dtype = std::nullopt);
+
+  /// With int8 weights: quantizes the layers' linear weights again from the parameters now.
+  void refresh() const;
+  std::optional<at::ScalarType> weight_dtype() const { return weight_dtype_; }
 
   /// An empty state for batch_size sequences of up to max_length positions, in the model's dtype
   /// and device. A decoder needs its memory (S, N, E), projected here once per layer, and takes
@@ -76,6 +89,9 @@ class TORCHMHA_API CachedDecoder {
   const torch::nn::ModuleList& layers() const;
   const torch::nn::AnyModule& final_norm() const;
   void check_stack();
+  /// decoder_step's params and weight_scales: the parameters now, with the int8 copies (made
+  /// again if a weight changed) in the weights' places.
+  std::pair<c10::List<std::optional<at::Tensor>>, c10::List<std::optional<at::Tensor>>> step_parameters() const;
   /// decoder_memory through the current parameters: {memory_keys, memory_values, memory_padding}.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> project_memory(const at::Tensor& memory,
                                                                 const at::Tensor& memory_key_padding_mask) const;
@@ -90,6 +106,11 @@ class TORCHMHA_API CachedDecoder {
   c10::List<bool> norm_first_;
   std::vector<double> eps_;
   std::optional<double> final_norm_eps_;
+  std::optional<at::ScalarType> weight_dtype_;
+  // The int8 copies and the stamps of the weights they came from (cached_decoder.cpp); shared by
+  // the states' copies of this object, so one quantization serves them all.
+  struct Int8Weights;
+  std::shared_ptr<Int8Weights> int8_;
 };
 
 /// What a generation holds between steps, from CachedDecoder::new_state: keys() and values()

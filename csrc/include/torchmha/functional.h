@@ -129,7 +129,9 @@ TORCHMHA_API at::Tensor attention_with_static_key_value(
 // weight, bias; norm1, norm2, norm3 (decoders) weight, bias. Per layer: activations ("relu",
 // "gelu", "gelu_tanh", "silu"), norm_first, and 3 eps (norm1, norm2, norm3); final_norm_eps is
 // present when the stack has a final LayerNorm. The state between steps is a DecoderCache
-// (attention_arguments.h).
+// (attention_arguments.h). int8 weights (quantize_weight's) may stand in any linear weight's slot
+// (the attentions' in_proj_weight and out_proj weight, linear1 and linear2 weight), with their
+// scales at the same index of `weight_scales` (as long as params; empty when none is int8).
 
 /// One step: tgt (T, N, E) (batch_first: (N, T, E)); sequence n appends its first new_lengths[n]
 /// positions (all T if absent) and gets the stack's output there (rows past it are zeros); the
@@ -145,7 +147,8 @@ TORCHMHA_API at::Tensor decoder_step(
     std::optional<double> final_norm_eps,
     bool batch_first,
     bool training,
-    const std::optional<at::Tensor>& new_lengths = std::nullopt);
+    const std::optional<at::Tensor>& new_lengths = std::nullopt,
+    const c10::List<std::optional<at::Tensor>>& weight_scales = c10::List<std::optional<at::Tensor>>());
 
 /// A decoder's memory (S, N, E) (batch_first: (N, S, E)) through every layer's cross-attention
 /// once, and its key_padding_mask (bool, true = ignore; or float, added; zeros if absent) as the
@@ -155,7 +158,18 @@ TORCHMHA_API std::tuple<at::Tensor, at::Tensor, at::Tensor> decoder_memory(
     const c10::List<std::optional<at::Tensor>>& params,
     int64_t num_heads,
     bool batch_first,
-    const std::optional<at::Tensor>& memory_key_padding_mask = std::nullopt);
+    const std::optional<at::Tensor>& memory_key_padding_mask = std::nullopt,
+    const c10::List<std::optional<at::Tensor>>& weight_scales = c10::List<std::optional<at::Tensor>>());
+
+/// {int8 weight, float32 scale (out_features,)}: a floating weight quantized symmetrically per
+/// output channel (scale = max|row| / 127), as decoder_step's weight_scales take it.
+TORCHMHA_API std::tuple<at::Tensor, at::Tensor> quantize_weight(const at::Tensor& weight);
+
+/// int8 copies of a decoder_step parameter list's linear weights: {weights, weight_scales}, each as
+/// long as params, quantize_weight's pair at each linear weight's index and nullopt elsewhere
+/// (decoder_step takes params with the int8 weights in those places, and weight_scales).
+TORCHMHA_API std::tuple<c10::List<std::optional<at::Tensor>>, c10::List<std::optional<at::Tensor>>>
+decoder_quantize(const c10::List<std::optional<at::Tensor>>& params);
 
 /// Beam search: sequence i of every part of the cache becomes old sequence indices[i] (in place).
 TORCHMHA_API void decoder_reorder(const DecoderCache& cache, const at::Tensor& indices);

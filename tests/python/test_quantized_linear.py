@@ -1,0 +1,87 @@
+"""int8 weights for decoding (csrc/core/small_linear.cpp, csrc/cpu/small_linear_kernel.cpp): quantize_weight
+(symmetric, a float32 scale per output channel) and quantized_linear, y = (x W_q^T) * scale + b, by the CPU
+kernel for up to 8 rows of x and by the dequantizing reference elsewhere."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.library import opcheck
+
+import torchmha  # noqa: F401  (registers the ops)
+
+ops = torch.ops.torchmha
+
+
+def dequantized(q, scale):
+    return q.double() * scale.double()[:, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_quantize_weight_rounds_each_row_to_its_own_scale(dtype):
+    w = torch.randn(40, 33, dtype=dtype) * torch.logspace(-3, 2, 40, dtype=dtype)[:, None]
+    w[7] = 0  # an all-zero row
+    q, scale = ops.quantize_weight(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (40,)
+    assert q.abs().max() <= 127 and (q.abs().amax(1)[w.abs().amax(1) > 0] == 127).all()
+    assert q[7].eq(0).all() and scale[7] == 1
+    # round to nearest: within half a step of the row's own scale (plus float32's rounding of w / scale)
+    err = (dequantized(q, scale) - w.double()).abs()
+    assert (err <= scale.double()[:, None] * (0.5 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 40])
+@pytest.mark.parametrize("K, O, bias", [(64, 40, True), (37, 13, False), (512, 2048, True)])
+def test_quantized_linear_is_linear_with_the_dequantized_weight(dtype, rows, K, O, bias):
+    """Kernel rows (1-8) and the reference's (9, 40); K with a tail past whole vectors. Against
+    float64 on the same int8 weights, within twice the error of F.linear in the dtype with the
+    dequantized weight."""
+    x = torch.randn(rows, K, dtype=dtype)
+    q, scale = ops.quantize_weight(torch.randn(O, K) / K**0.5)
+    b = torch.randn(O, dtype=dtype) if bias else None
+    exact = F.linear(x.double(), dequantized(q, scale), None if b is None else b.double())
+    torch_own = (F.linear(x, dequantized(q, scale).to(dtype), b).double() - exact).abs().max()
+    ours = ops.quantized_linear(x, q, scale, b)
+    assert ours.dtype == dtype and ours.shape == (rows, O)
+    assert (ours.double() - exact).abs().max() <= 2 * torch_own + 1e-5 * exact.abs().max()
+
+
+def test_strided_rows_and_batched_input():
+    """A packed in-projection's rows (a narrowed view of the int8 weight and its scale), (T, N, K) input."""
+    q, scale = ops.quantize_weight(torch.randn(96, 32))
+    x = torch.randn(2, 3, 32).transpose(0, 1)
+    ours = ops.quantized_linear(x, q[32:64], scale[32:64], None)
+    torch.testing.assert_close(ours, F.linear(x, dequantized(q[32:64], scale[32:64]).float()), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("weight, scale, message", [
+    (torch.zeros(4, 8, dtype=torch.int8), torch.ones(3), "float32 scale of shape \\(4,\\)"),
+    (torch.zeros(4, 8, dtype=torch.int8), torch.ones(4, dtype=torch.float64), "float32 scale"),
+    (torch.zeros(4, 8), torch.ones(4), "a scale goes with an int8"),
+])
+def test_a_scale_that_does_not_fit_is_a_value_error(weight, scale, message):
+    with pytest.raises(ValueError, match=message):
+        ops.quantized_linear(torch.randn(1, 8), weight, scale, None)
+
+
+def test_quantize_weight_refuses_what_is_not_a_floating_matrix():
+    with pytest.raises(ValueError, match="2-D floating weight"):
+        ops.quantize_weight(torch.zeros(4, 8, dtype=torch.int8))
+    with pytest.raises(ValueError, match="2-D floating weight"):
+        ops.quantize_weight(torch.zeros(8))
+
+
+def test_gradient_flows_to_x_through_the_reference():
+    q, scale = ops.quantize_weight(torch.randn(6, 8))
+    x = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
+    from torchmha._ops import ops as package_ops  # noqa: F401
+    y = torch.ops.torchmha.quantized_linear(x.detach(), q, scale, None)  # the op itself: no autograd
+    assert not y.requires_grad
+    torch.autograd.gradcheck(lambda t: F.linear(t, dequantized(q, scale)), (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(dtype):
+    q, scale = ops.quantize_weight(torch.randn(10, 24))
+    opcheck(ops.quantized_linear, (torch.randn(3, 24, dtype=dtype), q, scale, torch.randn(10, dtype=dtype)))
+    opcheck(ops.quantize_weight, (torch.randn(10, 24, dtype=dtype),))
