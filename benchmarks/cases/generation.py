@@ -262,3 +262,98 @@ def generation(settings: Settings) -> list[Row]:
             mm_rates[dtype] = mm_gflops(dtype, settings)
         rows += generation_rows(dtype, N, P, G, measure_generation(settings, dtype, N, P, G, mm_rates[dtype]))
     return rows
+
+
+# ------------------------------------------------------------------ int8 weights (issue 34 item 3)
+# (batch, prompt, new tokens) of the float32 model; --quick generates a quarter of the new tokens.
+INT8_SETTINGS = ((1, 16, 128), (8, 16, 64))
+
+
+def int8_step_work(model: nn.Transformer, N: int, position: int, T: int) -> tuple[int, int]:
+    """step_work with the matrices read as int8 (one byte an element; vectors, scales and caches in
+    the model's dtype)."""
+    read, flops = step_work(model, N, position, T)
+    _, matrix = step_weight_elements(model.decoder)
+    size = model.decoder.layers[0].linear1.weight.element_size()
+    return read - matrix * (size - 1), flops
+
+
+class TorchaoHandCache(HandCache):
+    """HandCache with every projection an nn.Linear quantized by torchao's Int8WeightOnlyConfig (its
+    weight-only int8 tensor in F.linear): what a user reaches for to read int8 weights today."""
+
+    @staticmethod
+    def _layer_weights(layer: nn.TransformerDecoderLayer) -> dict:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_  # (benchmarks only: not a dependency)
+
+        weights = HandCache._layer_weights(layer)
+        for name, value in weights.items():
+            if not name.startswith("norm"):
+                weight, bias = value
+                linear = nn.Linear(weight.shape[1], weight.shape[0], dtype=weight.dtype, device=weight.device)
+                with torch.no_grad():
+                    linear.weight.copy_(weight)
+                    linear.bias.copy_(bias)
+                quantize_(linear, Int8WeightOnlyConfig())
+                weights[name] = (linear.weight, linear.bias)
+        return weights
+
+
+def torchao_available() -> bool:
+    try:
+        import torchao.quantization  # noqa: F401  (whether it imports)
+    except Exception:  # (not installed, or built for another torch)
+        return False
+    return True
+
+
+@case
+def generation_int8(settings: Settings) -> list[Row]:
+    """CachedDecoder(model, weight_dtype=torch.int8) on the float32 generation model: tokens per
+    second against the float32 and bfloat16 CachedDecoder and torchao's int8 weight-only hand cache
+    (batch 1), and against the int8 floor (batch 8); the deviation from the unquantized model."""
+    rows = []
+    read = mm = None
+    for N, P, G in INT8_SETTINGS:
+        G = G // 4 if settings.quick else G
+        model = generation_model(torch.float32, settings.device)
+        memory, prompt, new = generation_inputs(N, P, G, torch.float32, settings.device)
+        bf16 = generation_model(torch.bfloat16, settings.device)
+        decoders = {"ours": torchmha.CachedDecoder(model, weight_dtype=torch.int8),
+                    "float32": torchmha.CachedDecoder(model), "bfloat16": torchmha.CachedDecoder(bf16)}
+
+        def run(name: str) -> Tensor:
+            decoder = decoders[name]
+            cast = (lambda t: t.bfloat16()) if name == "bfloat16" else (lambda t: t)
+            state = decoder.new_state(N, P + G, memory=cast(memory))
+            return teacher_forced(lambda x: decoder(x, state), cast(prompt), cast(new))
+
+        peers: Peers = {name: (lambda name=name: run(name)) for name in decoders}
+        if N == 1 and torchao_available():
+            peers["torchao"] = lambda: teacher_forced(TorchaoHandCache(model, N, P + G, memory).step, prompt, new)
+        peers = {name: torch.inference_mode()(fn) for name, fn in peers.items()}
+        outputs = {name: fn().float() for name, fn in peers.items()}
+        deviation = max_abs_diff(outputs["ours"], outputs["float32"])
+        times, _ = timed_rounds(peers, settings, reference="float32")
+        work = [int8_step_work(model, N, position, T) for position, T in generation_steps(P, G)]
+        if read is None:  # a sum over as many bytes as an int8 step reads
+            buffer = torch.ones(max(r for r, _ in work) // 4, device=settings.device)
+            read, mm = streaming_rate(buffer, settings.min_run_time), mm_gflops(torch.float32, settings)
+        floor_ms = 1e3 * sum(max(r / read, f / (mm * 1e9)) for r, f in work)
+        setting = f"float32 model, int8 weights, N={N}, prompt {P}, {G} new tokens"
+        tokens_s = {name: N * G / (ms / 1e3) for name, ms in times.items()}
+        notes = (f"tokens/s (ours = int8): {', '.join(f'{k} {v:.0f}' for k, v in tokens_s.items())}; max |int8 - float32| "
+                 f"{deviation:.1e} (of max |y| {outputs['float32'].abs().max():.1f}); int8 floor {floor_ms:.0f} ms "
+                 f"(read {read / 1e9:.1f} GB/s over an int8 step's bytes, {mm:.0f} GFLOP/s)")
+        data = {"ms": times, "tokens_per_s": tokens_s, "deviation": deviation, "floor_ms": floor_ms}
+        if N == 1:
+            rows.append(Row("generation_int8", setting, times, deviation, Target("float32/ours", ">=", 3.0),
+                            times["float32"] / times["ours"], notes, data))
+            rows.append(Row("generation_int8_vs_bf16", setting, times, deviation, Target("bfloat16/ours", ">=", 1.8),
+                            times["bfloat16"] / times["ours"], notes, data))
+            if "torchao" in times:
+                rows.append(Row("generation_int8_vs_torchao", setting, times, deviation,
+                                Target("torchao/ours", ">=", 1.0), times["torchao"] / times["ours"], notes, data))
+        rows.append(Row("generation_int8_floor", setting, {"ours": times["ours"], "floor": floor_ms}, deviation,
+                        Target("floor/ours", ">=", 0.8 if N == 1 else 0.7), floor_ms / times["ours"], notes, data))
+    return rows
