@@ -182,7 +182,7 @@ const MultiheadAttentionImpl& first_attention(const torch::nn::ModuleList& layer
 // moved or cast (its storage).
 struct WeightStamp {
   const void* impl;
-  uint32_t version;
+  int64_t version;
   const void* data;
   bool operator==(const WeightStamp& other) const {
     return impl == other.impl && version == other.version && data == other.data;

@@ -1,6 +1,7 @@
 // libFuzzer target for torchmha's C++ entry points (make test-fuzz). The input bytes choose the
 // shapes, dtypes, options and masks of one call into the functional core, the packed
-// in-projection, or a cached decoding step (the decode kernel reads raw pointers); a c10::Error (what Python sees as AssertionError, RuntimeError or ValueError) is an
+// in-projection, a cached decoding step (the decode kernel reads raw pointers), or an int8 step of
+// a decoder stack (so does the int8 linear kernel); a c10::Error (what Python sees as AssertionError, RuntimeError or ValueError) is an
 // accepted answer to bad input. A crash, any other exception, or a sanitizer report is a bug.
 
 #include <torchmha/torchmha.h>
@@ -168,14 +169,52 @@ void fuzz_cached_step(Choices& c) {
                                  {padding, dropout, /*training=*/dropout > 0, batch_first}, new_lengths);
 }
 
+// One int8 step of a 1-layer encoder stack through decoder_step (the int8 linear kernel reads raw
+// pointers): random rows (past the kernel's 8 sometimes), dtypes, and scales that sometimes do not
+// fit (missing, a wrong length or dtype, on a slot that is not a weight).
+void fuzz_int8_step(Choices& c) {
+  const int64_t H = 1 + c.below(3), D = 1 + c.below(9), E = H * D, F = 1 + c.below(40), N = 1 + c.below(3);
+  const int64_t T = c.below(8) == 0 ? 9 + c.below(4) : c.below(4), M = T + c.below(3);
+  const at::ScalarType dtypes[] = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf};
+  const auto options = at::TensorOptions().dtype(dtypes[c.below(4)]);
+  c10::List<std::optional<at::Tensor>> params;
+  const int64_t shapes[18][2] = {{3 * E, E}, {3 * E, 0}, {E, E}, {E, 0}, {}, {}, {}, {}, {F, E}, {F, 0},
+                                 {E, F}, {E, 0}, {E, 0}, {E, 0}, {E, 0}, {E, 0}, {}, {}};
+  for (const auto& shape : shapes) {
+    params.push_back(shape[0] == 0 ? std::optional<at::Tensor>()
+                     : shape[1] == 0 ? at::randn({shape[0]}, options) : at::randn({shape[0], shape[1]}, options));
+  }
+  params.push_back(std::nullopt);
+  params.push_back(std::nullopt);
+  auto [weights, scales] = torchmha::decoder_quantize(params);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    if (weights.get(i).has_value()) {
+      params.set(i, weights.get(i));
+    }
+  }
+  switch (c.below(8)) {
+    case 0: scales.set(c.below(12), std::nullopt); break;
+    case 1: scales.set(c.below(12), at::ones({c.below(3 * E + 2)})); break;
+    case 2: scales.set(c.below(12), at::ones({E}, at::kDouble)); break;
+    default: break;
+  }
+  auto keys = at::zeros({1, N, H, M, D}, options), values = at::zeros_like(keys);
+  const torchmha::DecoderCache cache{keys, values, at::zeros({N}, at::kLong), std::nullopt, std::nullopt, std::nullopt};
+  at::NoGradGuard inference;
+  torchmha::decoder_step(at::randn({T, N, E + (c.below(8) == 0)}, options), params, cache, H, {"relu"},
+                         c10::List<bool>({c.flag()}), {1e-5, 1e-5, 1e-5}, std::nullopt, false, false, std::nullopt,
+                         scales);
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Choices choices(data, size);
   try {
-    switch (choices.below(4)) {
+    switch (choices.below(5)) {
       case 0: fuzz_packed_projection(choices); break;
       case 1: fuzz_cached_step(choices); break;
+      case 2: fuzz_int8_step(choices); break;
       default: fuzz_one_call(choices);
     }
   } catch (const c10::Error& e) {
