@@ -34,8 +34,8 @@ def weight_reads(settings: Settings) -> list[Row]:
         same_bytes = [w.view(torch.float32) if dtype == torch.int8 else w for w in weights]
         read_ms = median_ms(lambda: [w.sum() for w in same_bytes], settings.min_run_time)
         for M in (1, 8):
-            x = torch.randn(M, E, dtype=torch.float32 if dtype == torch.int8 else dtype)
-            xs = {w.shape[1]: torch.randn(M, w.shape[1], dtype=x.dtype) for w in weights}
+            x_dtype = torch.float32 if dtype == torch.int8 else dtype
+            xs = {w.shape[1]: torch.randn(M, w.shape[1], dtype=x_dtype) for w in weights}
             if dtype == torch.int8:
                 ours = lambda: [ops.quantized_linear(xs[q.shape[1]], q, s, None) for q, s in pairs]  # noqa: E731
             else:

@@ -28,13 +28,14 @@ OptionalTensor slot(at::ArrayRef<OptionalTensor> params, int64_t layer, LayerSlo
   return is_present(t) ? t : std::nullopt;
 }
 
-// The scale of the weight in slot `s` (present with an int8 weight only), checked against it.
+// The scale of the weight in slot `s` (present with an int8 weight only), checked against it. A
+// float weight without a scale, every weight of a float step, needs no check (nor its message).
 OptionalTensor scale_slot(at::ArrayRef<OptionalTensor> params, at::ArrayRef<OptionalTensor> scales, int64_t layer,
-                          LayerSlot s, const char* what) {
+                          LayerSlot s, const char* which, const char* what) {
   const auto scale = slot(scales, layer, s);
   const auto weight = slot(params, layer, s);
-  if (is_present(weight)) {
-    const std::string who = std::string(kWho) + ": layer " + std::to_string(layer) + "'s " + what;
+  if (is_present(weight) && (is_present(scale) || weight->scalar_type() == at::kChar)) {
+    const std::string who = std::string(kWho) + ": layer " + std::to_string(layer) + "'s " + which + what;
     check_weight_scale(*weight, scale, who.c_str());
   }
   return scale;
@@ -58,9 +59,8 @@ AttentionWeights attention_from_slots(at::ArrayRef<OptionalTensor> params, at::A
               " needs in_proj_weight and out_proj.weight");
   w.out_weight = *out_weight;
   w.out_bias = slot(params, layer, LayerSlot(in_weight + 3));
-  const std::string name(which);
-  w.in_proj.packed_weight_scale = scale_slot(params, scales, layer, in_weight, (name + ".in_proj_weight").c_str());
-  w.out_weight_scale = scale_slot(params, scales, layer, LayerSlot(in_weight + 2), (name + ".out_proj.weight").c_str());
+  w.in_proj.packed_weight_scale = scale_slot(params, scales, layer, in_weight, which, ".in_proj_weight");
+  w.out_weight_scale = scale_slot(params, scales, layer, LayerSlot(in_weight + 2), which, ".out_proj.weight");
   return w;
 }
 
@@ -190,9 +190,9 @@ Stack stack_from_slots(at::ArrayRef<OptionalTensor> params, at::ArrayRef<Optiona
     layer.linear2_weight = *w2;
     layer.linear1_bias = slot(params, l, kLinear1Bias);
     layer.linear2_bias = slot(params, l, kLinear2Bias);
-    layer.linear1_weight_scale = scale_slot(params, scales, l, kLinear1Weight, "linear1.weight");
-    layer.linear2_weight_scale = scale_slot(params, scales, l, kLinear2Weight, "linear2.weight");
-    for (int64_t s = 0; s < kLayerSlots; ++s) {
+    layer.linear1_weight_scale = scale_slot(params, scales, l, kLinear1Weight, "linear1", ".weight");
+    layer.linear2_weight_scale = scale_slot(params, scales, l, kLinear2Weight, "linear2", ".weight");
+    for (int64_t s = 0; s < kLayerSlots && !scales.empty(); ++s) {
       TORCH_CHECK_VALUE(is_linear_weight(s) || !is_present(slot(scales, l, LayerSlot(s))), kWho, ": layer ", l,
                         "'s parameter ", s, " is not a linear weight, and takes no scale");
     }
@@ -242,9 +242,9 @@ std::tuple<std::vector<OptionalTensor>, std::vector<OptionalTensor>> quantize_st
   TORCH_CHECK_VALUE(params.size() % kLayerSlots == 2, kWho, ": expected ", kLayerSlots, " parameters per layer and 2 ",
                     "for the final norm, but got ", params.size());
   std::vector<OptionalTensor> weights(params.size()), scales(params.size());
+  const at::NoGradGuard no_grad;
   for (size_t i = 0; i + 2 < params.size(); ++i) {
     if (is_linear_weight(static_cast<int64_t>(i)) && is_present(params[i])) {
-      const at::NoGradGuard no_grad;
       std::tie(weights[i], scales[i]) = quantize_weight(*params[i]);
     }
   }

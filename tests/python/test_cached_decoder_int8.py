@@ -11,10 +11,11 @@ from torch import nn
 
 import torchmha
 from helpers import assert_close
-from test_cached_decoder import CONFIGS, E, S, Generation, is_decoder, make_model, reference
+from test_cached_decoder import CONFIGS, E, FF, S, Generation, make_model, reference
 
 ops = torch.ops.torchmha
 LINEAR_WEIGHTS = ("in_proj_weight", "out_proj.weight", "linear1.weight", "linear2.weight")
+
 
 
 def dequantized(model, dtype=None):
@@ -159,7 +160,7 @@ def op_arguments(dec, state, x):
 
 @pytest.mark.parametrize("tamper, match", [
     (lambda params, scales: scales.__setitem__(8, None), "layer 0's linear1.weight: an int8 weight needs its scale"),
-    (lambda params, scales: scales.__setitem__(9, torch.ones(FF_ROWS)), "parameter 9 is not a linear weight"),
+    (lambda params, scales: scales.__setitem__(9, torch.ones(FF)), "parameter 9 is not a linear weight"),
     (lambda params, scales: scales.__setitem__(2, torch.ones(3)), r"out_proj.weight: expected a float32 scale of "
                                                                  r"shape \(16,\)"),
     (lambda params, scales: scales.pop(), "a weight scale per parameter"),
@@ -175,8 +176,6 @@ def test_the_op_refuses_scales_that_do_not_fit(tamper, match):
         ops.decoder_step(*args)
     assert state.lengths.tolist() == [0]
 
-
-FF_ROWS = 24
 
 
 def test_off_the_cpu_kernel_the_reference_computes_the_same():
