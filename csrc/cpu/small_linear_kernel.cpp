@@ -10,8 +10,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <vector>
 #include <type_traits>
 
 namespace torchmha::cpu {
@@ -44,21 +49,83 @@ bool kernel_applies(const Tensor& x, const Tensor& weight, const OptionalTensor&
       (!is_present(bias) || per_row(*bias, dtype));
 }
 
+// Rows of x up to which int8 weights go through the kernel in blocks of kLinearMaxRows rather than
+// being dequantized for a GEMM (measured on AMD EPYC Zen 5: docs/kernel_rules.md).
+constexpr int64_t kQuantizedBlockedRows = 32;
+
+// Tasks of at least 64 KiB of weights: below that, waking a thread costs more than it saves.
+int64_t grain_of(int64_t K, int64_t element_size) {
+  return std::max<int64_t>(8, 65536 / (K * element_size));
+}
+
+// int8 weights through AVX512-VNNI's integer dot products (linear_kernel_vnni.cpp), for up to
+// kIntegerMaxRows rows; TORCHMHA_VNNI=0 keeps the float conversion (docs/kernel_rules.md).
+bool integer_kernel_applies(int64_t M, int64_t K) {
+  static const bool on = settings::read_switch("TORCHMHA_VNNI").value_or(true) &&
+      cpu_capability() == Capability::kAvx512 && at::cpu::is_avx512_vnni_supported();
+  return on && M <= kernel::kIntegerMaxRows && K <= kernel::kIntegerMaxK;
+}
+
+// False, with nothing written, where x holds an inf or a NaN (the float kernel then runs).
+bool run_integer_kernel(const Tensor& rows, const Tensor& weight, const Tensor& scale, const OptionalTensor& bias,
+                        const Tensor& y) {
+  const int64_t M = rows.size(0), K = rows.size(1), O = weight.size(0);
+  const int64_t padded_k = (K + 63) / 64 * 64;
+  const Tensor digits = at::empty({M * kernel::kDigits * padded_k}, rows.options().dtype(at::kChar));
+  std::array<double, kernel::kIntegerMaxRows> steps{};
+  std::array<int64_t, kernel::kIntegerMaxRows> sums{};
+  kernel::IntegerRows x{digits.data_ptr<int8_t>(), padded_k, steps.data(), sums.data()};
+  if (!kernel::avx512_vnni::integer_rows(rows.data_ptr<float>(), M, K, x)) {
+    return false;
+  }
+  const bool in_float = y.scalar_type() == at::kFloat;
+  const Tensor out = in_float ? y : at::empty(y.sizes(), y.options().dtype(at::kFloat));
+  const Tensor float_bias = is_present(bias) ? bias->to(at::kFloat) : Tensor();
+  const kernel::IntegerProblem problem{x, weight.data_ptr<int8_t>(), weight.stride(0), scale.data_ptr<float>(),
+                                       float_bias.defined() ? float_bias.data_ptr<float>() : nullptr,
+                                       out.data_ptr<float>(), M, K, O};
+  at::parallel_for(0, O, grain_of(K, 1), [&](int64_t begin, int64_t end) {
+    kernel::avx512_vnni::quantized_rows(problem, begin, end);
+  });
+  if (!in_float) {
+    y.copy_(out);
+  }
+  return true;
+}
+
+// Whether sum_k |W[o, k] x[m, k]| may pass float's range with int8 weights (|W| <= 128) before the
+// scale brings it back: then the dequantizing reference runs (it scales the weights first).
+bool int8_sums_may_overflow(const Tensor& rows) {
+  const float* x = rows.const_data_ptr<float>();
+  float largest = 0;
+  for (int64_t i = 0; i < rows.numel(); ++i) largest = std::max(largest, std::abs(x[i]));
+  return !(largest * 128.0f * static_cast<float>(rows.size(1)) < std::numeric_limits<float>::max()) &&
+      std::isfinite(largest);
+}
+
+// False where the kernel declines the call (then the reference runs).
 template <typename scalar_t, typename weight_t>
-void run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& scale, const OptionalTensor& bias,
+bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& scale, const OptionalTensor& bias,
                 const Tensor& y) {
   const int64_t K = x.size(-1), O = weight.size(0);
   const Tensor rows = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  if constexpr (std::is_same_v<weight_t, int8_t>) {
+    if (integer_kernel_applies(rows.size(0), K) && run_integer_kernel(rows, weight, *scale, bias, y)) {
+      return true;
+    }
+    if (int8_sums_may_overflow(rows)) {
+      return false;
+    }
+  }
   const kernel::LinearProblem<scalar_t, weight_t> problem{
       rows.data_ptr<float>(), weight.data_ptr<weight_t>(), weight.stride(0),
       is_present(scale) ? scale->data_ptr<float>() : nullptr, is_present(bias) ? bias->data_ptr<scalar_t>() : nullptr,
       y.data_ptr<scalar_t>(), rows.size(0), K, O};
   const bool avx512 = cpu_capability() == Capability::kAvx512;
-  // Tasks of at least 64 KiB of weights: below that, waking a thread costs more than it saves.
-  const int64_t grain = std::max<int64_t>(8, 65536 / (K * static_cast<int64_t>(sizeof(weight_t))));
-  at::parallel_for(0, O, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, O, grain_of(K, sizeof(weight_t)), [&](int64_t begin, int64_t end) {
     avx512 ? kernel::avx512::linear_rows(problem, begin, end) : kernel::avx2::linear_rows(problem, begin, end);
   });
+  return true;
 }
 
 std::optional<Tensor> run(const Tensor& x, const Tensor& weight, const OptionalTensor& scale,
@@ -69,13 +136,14 @@ std::optional<Tensor> run(const Tensor& x, const Tensor& weight, const OptionalT
   auto sizes = x.sizes().vec();
   sizes.back() = weight.size(0);
   Tensor y = at::empty(sizes, x.options());
+  bool done = false;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "small_linear_cpu", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {
-      is_present(scale) ? run_kernel<scalar_t, int8_t>(x, weight, scale, bias, y)
-                        : run_kernel<scalar_t, scalar_t>(x, weight, scale, bias, y);
+      done = is_present(scale) ? run_kernel<scalar_t, int8_t>(x, weight, scale, bias, y)
+                               : run_kernel<scalar_t, scalar_t>(x, weight, scale, bias, y);
     }
   });
-  return y;
+  return done ? std::optional<Tensor>(y) : std::nullopt;
 }
 
 }  // namespace
@@ -90,7 +158,26 @@ std::optional<Tensor> small_linear(const Tensor& x, const Tensor& weight, const 
 
 std::optional<Tensor> quantized_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
                                        const OptionalTensor& bias) {
-  return run(x, weight, scale, bias);
+  const int64_t K = x.dim() > 0 ? x.size(-1) : 0;
+  const int64_t rows = K > 0 ? x.numel() / K : 0;
+  if (rows <= kernel::kLinearMaxRows || rows > kQuantizedBlockedRows ||
+      x.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    return run(x, weight, scale, bias);
+  }
+  // A short prompt: the kernel on blocks of rows, a pass over the int8 weights each, instead of
+  // dequantizing every weight to float for one GEMM (docs/kernel_rules.md).
+  const Tensor flat = x.reshape({rows, K});
+  std::vector<Tensor> blocks;
+  for (int64_t row = 0; row < rows; row += kernel::kLinearMaxRows) {
+    auto block = run(flat.narrow(0, row, std::min(kernel::kLinearMaxRows, rows - row)), weight, scale, bias);
+    if (!block) {
+      return std::nullopt;
+    }
+    blocks.push_back(*std::move(block));
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = weight.size(0);
+  return at::cat(blocks).view(sizes);
 }
 
 }  // namespace torchmha::cpu

@@ -1,6 +1,7 @@
 """int8 weights for decoding (csrc/core/small_linear.cpp, csrc/cpu/small_linear_kernel.cpp): quantize_weight
 (symmetric, a float32 scale per output channel) and quantized_linear, y = (x W_q^T) * scale + b, by the CPU
-kernel for up to 8 rows of x and by the dequantizing reference elsewhere."""
+kernel for up to 8 rows of x (on AVX512-VNNI, up to 4 rows as exact integers: linear_kernel_vnni.cpp), in
+blocks of 8 rows up to 32, and by the dequantizing reference elsewhere."""
 
 import pytest
 import torch
@@ -30,10 +31,11 @@ def test_quantize_weight_rounds_each_row_to_its_own_scale(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 40])
-@pytest.mark.parametrize("K, O, bias", [(64, 40, True), (37, 13, False), (512, 2048, True)])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9, 32, 33, 40])
+@pytest.mark.parametrize("K, O, bias", [(64, 40, True), (37, 13, False), (200, 9, True), (512, 2048, True)])
 def test_quantized_linear_is_linear_with_the_dequantized_weight(dtype, rows, K, O, bias):
-    """Kernel rows (1-8) and the reference's (9, 40); K with a tail past whole vectors. Against
+    """Kernel rows (1-8: integer digits for 1-4 on VNNI, float beyond), blocks of kernel rows (9, 32)
+    and the reference's (33, 40); K with a tail past whole vectors. Against
     float64 on the same int8 weights, within twice the error of F.linear in the dtype with the
     dequantized weight."""
     x = torch.randn(rows, K, dtype=dtype)
@@ -44,6 +46,52 @@ def test_quantized_linear_is_linear_with_the_dequantized_weight(dtype, rows, K, 
     ours = ops.quantized_linear(x, q, scale, b)
     assert ours.dtype == dtype and ours.shape == (rows, O)
     assert (ours.double() - exact).abs().max() <= 2 * torch_own + 1e-5 * exact.abs().max()
+
+
+def relative_error(ours, x, q, scale, b=None):
+    """|ours - exact| over what float32 rounding scales with, sum_k |x_k| |w_k| + |b|."""
+    w = dequantized(q, scale)
+    exact = F.linear(x.double(), w, None if b is None else b.double())
+    size = F.linear(x.double().abs(), w.abs(), None if b is None else b.double().abs())
+    return ((ours.double() - exact).abs() / size.clamp_min(1e-300)).max().item()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+@pytest.mark.parametrize("K", [1, 63, 64, 65, 130, 2048])
+def test_float32_error_within_float32_rounding(rows, K):
+    """x over twelve decades, with the largest |x| where the weights are small, and weights of -128
+    (the integer path's extreme digit and weight): float32's own error, not the digits' rounding."""
+    torch.manual_seed(K + rows)
+    x = torch.randn(rows, K) * torch.logspace(-6, 6, K)[torch.randperm(K)]
+    q, scale = ops.quantize_weight(torch.randn(23, K))
+    q[0] = -128
+    q[1, : K // 2] = 0
+    b = torch.randn(23)
+    assert relative_error(ops.quantized_linear(x, q, scale, b), x, q, scale, b) < 2e-6
+
+
+def test_zero_tiny_huge_and_non_finite_rows():
+    """A row of zeros; tiny and huge rows (scaled exactly by powers of two); inf and
+    NaN in x give torch's inf/NaN (the integer path cannot hold them and hands the call to the float
+    path)."""
+    q, scale = ops.quantize_weight(torch.randn(5, 70))
+    for x in (torch.zeros(2, 70), torch.full((1, 70), 1e-30), torch.randn(3, 70) * 1e36):
+        assert relative_error(ops.quantized_linear(x, q, scale, None), x, q, scale) < 2e-6
+    for bad in (float("inf"), float("nan")):
+        x = torch.randn(2, 70)
+        x[1, 3] = bad
+        ours = ops.quantized_linear(x, q, scale, None)
+        torch.testing.assert_close(ours, F.linear(x, dequantized(q, scale).float()), equal_nan=True)
+
+
+def test_without_vnni_the_float_conversion_computes_the_same():
+    """TORCHMHA_VNNI=0: int8 rows converted to float (the path of CPUs without AVX512-VNNI)."""
+    from helpers import run_python_with
+    import pathlib
+    code = ("import sys; sys.path.insert(0, %r); import test_quantized_linear as t; "
+            "[t.test_float32_error_within_float32_rounding(r, K) for r in (1, 4) for K in (65, 2048)]; "
+            "t.test_zero_tiny_huge_and_non_finite_rows()")
+    run_python_with(code % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_VNNI": "0"})
 
 
 def test_strided_rows_and_batched_input():

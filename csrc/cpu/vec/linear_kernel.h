@@ -46,4 +46,36 @@ void linear_rows(const LinearProblem<c10::BFloat16, int8_t>& p, int64_t begin, i
 void linear_rows(const LinearProblem<c10::Half, int8_t>& p, int64_t begin, int64_t end);
 }  // namespace avx512
 
+/// x as exact integers for int8 weights on AVX512-VNNI (linear_kernel_vnni.cpp): row m is
+/// u_m * steps[m] with u_m = sum_l digits[m][l] 256^l, each digit in [-128, 127], and sums[m] the
+/// sum of u_m over the row. Digit rows are padded_k long (K rounded up to 64), zero past K.
+constexpr int kDigits = 4;
+struct IntegerRows {
+  int8_t* digits;  // (M, kDigits, padded_k)
+  int64_t padded_k;
+  double* steps;   // (M,)
+  int64_t* sums;   // (M,)
+};
+
+/// y (M, O) in float = scale[o] * sum_k W[o, k] x[m, k] + bias[o], with x as IntegerRows.
+struct IntegerProblem {
+  IntegerRows x;
+  const int8_t* w;     // (O, K), rows contiguous, row stride w_stride
+  int64_t w_stride;
+  const float* scale;  // (O,)
+  const float* bias;   // (O,) or null
+  float* y;            // (M, O), contiguous
+  int64_t M, K, O;
+};
+
+/// M is at most kIntegerMaxRows; K at most kIntegerMaxK, so that the int32 sums cannot overflow
+/// (each lane gains at most 4 * 255 * 128 per 64 columns).
+constexpr int64_t kIntegerMaxRows = 4;
+constexpr int64_t kIntegerMaxK = int64_t(1) << 20;
+namespace avx512_vnni {
+/// Fills `out` (its buffers sized for M rows); false if x holds an inf or a NaN (no integers).
+bool integer_rows(const float* x, int64_t M, int64_t K, IntegerRows& out);
+void quantized_rows(const IntegerProblem& p, int64_t begin, int64_t end);
+}  // namespace avx512_vnni
+
 }  // namespace torchmha::cpu::kernel
