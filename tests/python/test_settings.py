@@ -26,6 +26,8 @@ TRIGGERS = {
                                 "torch.ops.torchmha.decode_attention(q, q, q, c, c.clone(), "
                                 "torch.tensor([0]), None, None, 0.0)",
     "TORCHMHA_SMALL_LINEAR": "torch.ops.torchmha.small_linear(torch.randn(1, 8), torch.randn(4, 8), None)",
+    "TORCHMHA_VNNI": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
+                     "torch.ops.torchmha.quantized_linear(torch.randn(1, 8), q, s, None)",
     "TORCHMHA_CPU_CAPABILITY": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
     "TORCHMHA_AMX": "x = torch.randn(1, 1, 256, 8, dtype=torch.bfloat16); "
                     "torchmha.MultiheadAttention(8, 1, dtype=torch.bfloat16)(x[0], x[0], x[0], need_weights=False)",
@@ -51,6 +53,7 @@ MALFORMED = [
     ("TORCHMHA_DECODE_STATIC_SHAPES", "static", SWITCH),
     ("TORCHMHA_PREFILL_BLOCKED", "auto", SWITCH),
     ("TORCHMHA_SMALL_LINEAR", "off", SWITCH),
+    ("TORCHMHA_VNNI", "on", SWITCH),
     ("TORCHMHA_CPU_CAPABILITY", "avx512f", "must be one of avx512, avx2, default"),
     ("TORCHMHA_AMX", "true", SWITCH),
     ("TORCHMHA_AVX512_FP16", "yes", SWITCH),
@@ -258,3 +261,18 @@ def test_micro_gemm_settings_move_products_to_aten(env, aten):
     on raw pointers (no ATen op); each setting sends its share to ATen's mm/addmm, with the same
     numbers."""
     run_python_with(MICRO_GEMMS.replace("ATEN", str(aten)), set_env=env)
+
+
+@pytest.mark.skipif(not (torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_vnni_supported()),
+                    reason="needs AVX512-VNNI")
+def test_vnni_setting_moves_int8_rows_off_the_integer_path():
+    """x = (1e8, 1, -1e8) against weights of one: the integer digits sum it exactly (1), the float
+    loop rounds 1e8 + 1 back to 1e8 (0); TORCHMHA_VNNI=0 gives the float loop's answer."""
+    code = """
+import torch, torchmha
+q = torch.ones(1, 3, dtype=torch.int8)
+y = torch.ops.torchmha.quantized_linear(torch.tensor([[1e8, 1.0, -1e8]]), q, torch.ones(1), None)
+assert y.item() == {}, y
+"""
+    run_python_with(code.format(1.0))
+    run_python_with(code.format(0.0), set_env={"TORCHMHA_VNNI": "0"})
