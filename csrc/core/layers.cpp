@@ -3,13 +3,13 @@
 #include "layers.h"
 
 #include "multi_head_attention.h"
+#include "small_linear.h"
 
 #include <torchmha/errors.h>
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/dropout.h>
 #include <ATen/ops/layer_norm.h>
-#include <ATen/ops/linear.h>
 #include <ATen/ops/logical_not.h>
 #include <ATen/ops/relu.h>
 
@@ -38,8 +38,8 @@ Tensor transformer_block(const ForwardCall& call, const AttentionWeights& attent
     return at::dropout(std::get<0>(multi_head_attention(self, attention, embed_dim)), p, call.training);
   };
   auto feed_forward = [&](const Tensor& y) {
-    auto hidden = at::dropout(at::relu(at::linear(y, ff.linear1_weight, ff.linear1_bias)), p, call.training);
-    return at::dropout(at::linear(hidden, ff.linear2_weight, ff.linear2_bias), p, call.training);
+    auto hidden = at::dropout(at::relu(linear_layer(y, ff.linear1_weight, ff.linear1_bias)), p, call.training);
+    return at::dropout(linear_layer(hidden, ff.linear2_weight, ff.linear2_bias), p, call.training);
   };
   auto norm1 = [&](const Tensor& y) {
     return at::layer_norm(y, {embed_dim}, ff.norm1_weight, ff.norm1_bias, ff.layer_norm_eps);

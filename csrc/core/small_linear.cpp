@@ -3,6 +3,7 @@
 
 #include "small_linear.h"
 
+#include "cpu/cpu_capability.h"
 #include "cpu/kernels.h"
 
 #include <ATen/ATen.h>
@@ -26,6 +27,18 @@ bool needs_grad(const Tensor& x, const Tensor& weight, const OptionalTensor& bia
 }
 
 
+// at::linear, computed in float32 and rounded once where torch's own bfloat16/float16 GEMM is
+// slower on this CPU (cpu::reduced_gemm_in_float32).
+Tensor gemm_linear(const Tensor& x, const Tensor& weight, const OptionalTensor& bias) {
+  const auto dtype = x.scalar_type();
+  if (x.device().is_cpu() && weight.scalar_type() == dtype && (!is_present(bias) || bias->scalar_type() == dtype) &&
+      cpu::reduced_gemm_in_float32(dtype)) {
+    const OptionalTensor float_bias = is_present(bias) ? OptionalTensor(bias->to(at::kFloat)) : std::nullopt;
+    return at::linear(x.to(at::kFloat), weight.to(at::kFloat), float_bias).to(dtype);
+  }
+  return at::linear(x, weight, bias);
+}
+
 // A dispatcher op, found once.
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> find_op(const char* name) {
@@ -48,7 +61,7 @@ Tensor linear_layer(const Tensor& x, const Tensor& weight, const OptionalTensor&
   if (!x.device().is_cpu() || needs_grad(x, weight, bias) || x.dim() == 0 ||
       x.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || x.size(-1) == 0 || x.numel() == 0 ||
       !cpu::small_linear_serves(x.numel() / x.size(-1))) {
-    return at::linear(x, weight, bias);
+    return gemm_linear(x, weight, bias);
   }
   static auto op = find_op<Tensor(const Tensor&, const Tensor&, const OptionalTensor&)>("torchmha::small_linear");
   return op.call(x, weight, bias);
@@ -62,7 +75,7 @@ Tensor small_linear_cpu(const Tensor& x, const Tensor& weight, const OptionalTen
   if (auto y = cpu::small_linear(x, weight, bias)) {
     return *std::move(y);
   }
-  return at::linear(x, weight, bias);
+  return gemm_linear(x, weight, bias);
 }
 
 std::tuple<Tensor, Tensor> quantize_weight(const Tensor& weight) {

@@ -26,6 +26,7 @@ TRIGGERS = {
                                 "torch.ops.torchmha.decode_attention(q, q, q, c, c.clone(), "
                                 "torch.tensor([0]), None, None, 0.0)",
     "TORCHMHA_SMALL_LINEAR": "torch.ops.torchmha.small_linear(torch.randn(1, 8), torch.randn(4, 8), None)",
+    "TORCHMHA_FLOAT32_GEMM": "x = torch.randn(16, 8, dtype=torch.float16); torch.ops.torchmha.small_linear(x, x[:4], None)",
     "TORCHMHA_VNNI": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
                      "torch.ops.torchmha.quantized_linear(torch.randn(1, 8), q, s, None)",
     "TORCHMHA_CPU_CAPABILITY": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
@@ -54,6 +55,7 @@ MALFORMED = [
     ("TORCHMHA_PREFILL_BLOCKED", "auto", SWITCH),
     ("TORCHMHA_SMALL_LINEAR", "off", SWITCH),
     ("TORCHMHA_VNNI", "on", SWITCH),
+    ("TORCHMHA_FLOAT32_GEMM", "float", SWITCH),
     ("TORCHMHA_CPU_CAPABILITY", "avx512f", "must be one of avx512, avx2, default"),
     ("TORCHMHA_AMX", "true", SWITCH),
     ("TORCHMHA_AVX512_FP16", "yes", SWITCH),
@@ -276,3 +278,34 @@ assert y.item() == {}, y
 """
     run_python_with(code.format(1.0))
     run_python_with(code.format(0.0), set_env={"TORCHMHA_VNNI": "0"})
+
+
+# A linear layer on 64 rows (past the small-batch kernel), once in each of the two ways.
+REDUCED_LINEAR = """
+import torch, torch.nn.functional as F, torchmha
+torch.manual_seed(0)
+x, w, b = (torch.randn(*shape, dtype=torch.{dtype}) for shape in ((64, {K}), (80, {K}), (80,)))
+ours = torch.ops.torchmha.small_linear(x, w, b)
+in_float32, torch_own = F.linear(x.float(), w.float(), b.float()).to(x.dtype), F.linear(x, w, b)
+"""
+
+
+def test_float32_gemm_setting_moves_reduced_precision_linears():
+    """TORCHMHA_FLOAT32_GEMM=1: float16 linears computed in float32 and rounded once; 0: torch's own."""
+    check = REDUCED_LINEAR.format(dtype="float16", K=96) + "assert not torch.equal(in_float32, torch_own)\n"
+    run_python_with(check + "assert torch.equal(ours, in_float32)", set_env={"TORCHMHA_FLOAT32_GEMM": "1"})
+    run_python_with(check + "assert torch.equal(ours, torch_own)", set_env={"TORCHMHA_FLOAT32_GEMM": "0"})
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_reduced_precision_rule_reads_the_cpu(dtype):
+    """Unforced: bfloat16 keeps torch's GEMM where the CPU has AVX-512 BW/VL/DQ (oneDNN's path),
+    float16 where it has AVX512-FP16 or AMX-FP16; elsewhere float32 (as /proc/cpuinfo's flags say)."""
+    flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    fast = ({"avx512bw", "avx512vl", "avx512dq"} <= flags if dtype == "bfloat16"
+            else bool({"avx512_fp16", "amx_fp16"} & flags))
+    scope = {}
+    exec(REDUCED_LINEAR.format(dtype=dtype, K=8192), scope)
+    if torch.equal(scope["in_float32"], scope["torch_own"]):
+        pytest.skip("torch's GEMM and float32's round alike here: the two ways cannot be told apart")
+    assert torch.equal(scope["ours"], scope["torch_own"] if fast else scope["in_float32"])
