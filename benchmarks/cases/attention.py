@@ -70,9 +70,10 @@ def small_default(settings: Settings) -> list[Row]:
 def fast_path(settings: Settings) -> list[Row]:
     """torch's fused inference path: eval, no_grad, batch_first, self-attention. The floor column
     is the least any implementation pays here: the projections' GEMMs as timed, plus the
-    attention's two products at torch.mm's rate and a softmax a score (attention_floor). With
-    weights the target is 0.8 of torch; without, torch's fused kernel is already near that floor,
-    so the target is the floor + 0.05, measured in the same run."""
+    attention's two products at torch.mm's rate and a softmax a score (attention_floor). The target
+    is that floor + 0.05, measured in the same run; with weights also at most 1.0 of torch (issue 34
+    item 5: the projections' GEMMs are about 94% of the FLOPs, so 0.8 of torch was below the floor
+    on some CPUs)."""
     N, L, E, H = 8, 128, 512, 8
     rows = []
     for need_weights in (True, False):
@@ -81,8 +82,8 @@ def fast_path(settings: Settings) -> list[Row]:
         setting = f"eval no_grad, N={N} L={L} E={E} H={H}, need_weights={need_weights}"
         row = ratio_row("fast_path", setting, measure(peers, settings), 0.8)
         attention_floor(row, N, L, E, H, settings)
-        if not need_weights:
-            row.target = Target("ours/torch", "<=", round(row.limit + FAST_PATH_MARGIN, 3))
+        target = row.limit + FAST_PATH_MARGIN
+        row.target = Target("ours/torch", "<=", round(min(1.0, target) if need_weights else target, 3))
         rows.append(row)
     return rows
 
