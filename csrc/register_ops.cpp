@@ -232,6 +232,11 @@ TORCH_LIBRARY_IMPL(torchmha, CPU, m) {
   m.impl("blocked_attention_backward", TORCH_FN(torchmha::core::blocked_attention_backward_cpu));
 }
 
+// decode_attention has no derivative: its Autograd kernel makes a backward through it an error.
+TORCH_LIBRARY_IMPL(torchmha, Autograd, m) {
+  m.impl("decode_attention", TORCH_FN(torchmha::core::decode_attention_autograd));
+}
+
 TORCH_LIBRARY_IMPL(torchmha, Meta, m) {
   m.impl("blocked_attention_backward", TORCH_FN(torchmha::core::blocked_attention_backward_meta));
 }
