@@ -222,7 +222,8 @@ TORCH_LIBRARY(torchmha, m) {
 
 // decode_attention, small_linear, attention_with_weights and blocked_attention: torchmha's own CPU kernels; the ATen composition
 // on every other device and for Meta/fake tensors (tracing). Both serve inference only: they have
-// no autograd formula (the core takes the differentiable composition where gradients are needed).
+// no autograd formula (the core takes the differentiable composition where gradients are needed;
+// decode_attention, which the core calls under grad mode too, refuses a backward below).
 TORCH_LIBRARY_IMPL(torchmha, CPU, m) {
   m.impl("decode_attention", TORCH_FN(torchmha::core::decode_attention_cpu));
   m.impl("small_linear", TORCH_FN(torchmha::core::small_linear_cpu));
