@@ -97,8 +97,15 @@ bool run_integer_kernel(const Tensor& rows, const Tensor& weight, const Tensor& 
 // scale brings it back: then the dequantizing reference runs (it scales the weights first).
 bool int8_sums_may_overflow(const Tensor& rows) {
   const float* x = rows.const_data_ptr<float>();
-  float largest = 0;
-  for (int64_t i = 0; i < rows.numel(); ++i) largest = std::max(largest, std::abs(x[i]));
+  const int64_t n = rows.numel();
+  // (eight running maxima: one chain of dependent maxss cost 13 us of a 110 us 8 x 2048 call)
+  std::array<float, 8> lanes{};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) lanes[j] = std::max(lanes[j], std::abs(x[i + j]));
+  }
+  for (; i < n; ++i) lanes[0] = std::max(lanes[0], std::abs(x[i]));
+  const float largest = *std::max_element(lanes.begin(), lanes.end());
   return !(largest * 128.0f * static_cast<float>(rows.size(1)) < std::numeric_limits<float>::max()) &&
       std::isfinite(largest);
 }
