@@ -18,6 +18,7 @@
 #include "core/explicit_attention.h"
 #include "core/small_linear.h"
 
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 namespace torchmha::ops {
@@ -233,9 +234,11 @@ TORCH_LIBRARY_IMPL(torchmha, CPU, m) {
   m.impl("blocked_attention_backward", TORCH_FN(torchmha::core::blocked_attention_backward_cpu));
 }
 
-// decode_attention has no derivative: its Autograd kernel makes a backward through it an error.
+// decode_attention has no derivative: torch's not-implemented kernel makes a backward through it
+// an error ("derivative for torchmha::decode_attention is not implemented"; the default fallback
+// only warned and returned gradients that left the attention out).
 TORCH_LIBRARY_IMPL(torchmha, Autograd, m) {
-  m.impl("decode_attention", TORCH_FN(torchmha::core::decode_attention_autograd));
+  m.impl("decode_attention", torch::autograd::autogradNotImplementedFallback());
 }
 
 TORCH_LIBRARY_IMPL(torchmha, Meta, m) {

@@ -9,7 +9,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <cmath>
@@ -123,36 +122,6 @@ Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Te
   lengths.add_(added);
   return out.masked_fill(row_is_new.logical_not().view({N, 1, T, 1}), 0);
 }
-// ------------------------------------------------------------------------------ autograd
-namespace {
-
-// A cached step has no derivative: its kernels write the caches in place and serve inference. As
-// the op's Autograd kernel, this node makes a backward through it fail with a message; without
-// it torch's fallback only warned and returned gradients that left the attention out.
-struct DecodeAttentionWithoutDerivative : public torch::autograd::Function<DecodeAttentionWithoutDerivative> {
-  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& q, const Tensor& k_new,
-                        const Tensor& v_new, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
-                        const OptionalTensor& new_lengths, const OptionalTensor& padding, double dropout_p) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, new_lengths, padding, dropout_p);
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list) {
-    TORCH_CHECK(false, "decode_attention has no derivative: torchmha's cached steps (CachedDecoder, "
-                "forward_with_cache, the KV-cache modules) serve inference; run them under torch.no_grad() or "
-                "torch.inference_mode(), and train the model itself");
-  }
-};
-
-}  // namespace
-
-Tensor decode_attention_autograd(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
-                                 const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
-                                 const OptionalTensor& padding, double dropout_p) {
-  return DecodeAttentionWithoutDerivative::apply(q, k_new, v_new, k_cache, v_cache, lengths, new_lengths, padding,
-                                                 dropout_p);
-}
-
 Tensor decode_attention_cpu(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                             const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                             const OptionalTensor& padding, double dropout_p) {

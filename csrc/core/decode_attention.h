@@ -43,12 +43,6 @@ Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Te
                                   const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                                   const OptionalTensor& padding, double dropout_p);
 
-/// The op's Autograd kernel: the step as above, and a backward through it is an error (the op has
-/// no derivative; before, torch's fallback warned and returned gradients without the attention).
-Tensor decode_attention_autograd(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
-                                 const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
-                                 const OptionalTensor& padding, double dropout_p);
-
 /// torchmha's CPU kernel (float, double, and bfloat16/float16 computed in float; without dropout;
 /// TORCHMHA_DECODE_KERNEL_MAX_ROWS limits the new rows it takes); the reference otherwise.
 Tensor decode_attention_cpu(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,

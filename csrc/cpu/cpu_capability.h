@@ -75,7 +75,8 @@ inline bool cpu_has_avx512_fp16() {
 /// Whether a bfloat16 or float16 GEMM (a linear layer's, on more rows than the small-batch kernel
 /// takes) runs faster computed in float32 than by torch in its own dtype on this CPU. torch's
 /// bfloat16 GEMMs run on oneDNN only with AVX-512 BW/VL/DQ (torch's mkldnn_bf16_device_check), its
-/// float16 ones at speed only with AVX512-FP16 or AMX-FP16; elsewhere they run 3-8x below float32
+/// float16 ones at speed only with AVX512-FP16 or AMX-FP16 (so TORCHMHA_AVX512_FP16 and
+/// TORCHMHA_AMX move the float16 answer too); elsewhere they run 3-8x below float32
 /// (docs/kernel_rules.md). TORCHMHA_FLOAT32_GEMM=0/1 sets the answer for both dtypes.
 inline bool reduced_gemm_in_float32(at::ScalarType dtype) {
   static const std::optional<bool> forced = settings::read_switch("TORCHMHA_FLOAT32_GEMM");
@@ -87,7 +88,7 @@ inline bool reduced_gemm_in_float32(at::ScalarType dtype) {
   }
   static const bool bf16 = !(cpu_has_feature("avx512_bw") && cpu_has_feature("avx512_vl") &&
                              cpu_has_feature("avx512_dq"));
-  static const bool fp16 = !(cpu_has_feature("avx512_fp16") || cpu_has_feature("amx_fp16"));
+  static const bool fp16 = !(cpu_has_avx512_fp16() || cpu_has_amx(at::kHalf));
   return dtype == at::kBFloat16 ? bf16 : fp16;
 }
 

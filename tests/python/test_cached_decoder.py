@@ -365,20 +365,26 @@ def test_training_mode_asks_for_eval():
 
 def test_a_backward_through_a_step_is_an_error_not_a_wrong_gradient():
     """Under grad mode a step runs (its output right), but it has no derivative: a backward fails
-    with a message (torch's fallback used to warn and return gradients without the attention)."""
+    with torch's not-implemented error (the default fallback used to warn and return gradients
+    without the attention), and so does forward-mode AD."""
     dec = torchmha.CachedDecoder(make_model("decoder"))
     tgt = torch.randn(3, 2, E, dtype=torch.float64, requires_grad=True)
     memory = torch.randn(S, 2, E, dtype=torch.float64)
     out = dec(tgt, dec.new_state(2, 4, memory=memory))
     with torch.no_grad():
         assert torch.equal(out, dec(tgt, dec.new_state(2, 4, memory=memory)))
-    with pytest.raises(RuntimeError, match="decode_attention has no derivative.*torch.no_grad"):
+    not_implemented = "derivative for torchmha::decode_attention is not implemented"
+    with pytest.raises(RuntimeError, match=not_implemented):
         out.sum().backward()
-    q = torch.randn(1, 1, 1, 4, requires_grad=True)
-    attended = torch.ops.torchmha.decode_attention(q, q, q, torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4),
+
+    def step(q):
+        return torch.ops.torchmha.decode_attention(q, q, q, torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4),
                                                    torch.tensor([0]), None, None, 0.0)
-    with pytest.raises(RuntimeError, match="no derivative"):
-        attended.sum().backward()
+    with pytest.raises(RuntimeError, match=not_implemented):
+        step(torch.randn(1, 1, 1, 4, requires_grad=True)).sum().backward()
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward AD with torchmha::decode_attention"):
+        step(fwAD.make_dual(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4)))
 
 
 def test_memory_for_an_encoder_and_none_for_a_decoder():

@@ -291,10 +291,14 @@ in_float32, torch_own = F.linear(x.float(), w.float(), b.float()).to(x.dtype), F
 
 
 def test_float32_gemm_setting_moves_reduced_precision_linears():
-    """TORCHMHA_FLOAT32_GEMM=1: float16 linears computed in float32 and rounded once; 0: torch's own."""
+    """TORCHMHA_FLOAT32_GEMM=1: float16 linears computed in float32 and rounded once; 0: torch's own;
+    unset, TORCHMHA_AVX512_FP16=1 (a CPU with AVX512-FP16): torch's own."""
     check = REDUCED_LINEAR.format(dtype="float16", K=96) + "assert not torch.equal(in_float32, torch_own)\n"
     run_python_with(check + "assert torch.equal(ours, in_float32)", set_env={"TORCHMHA_FLOAT32_GEMM": "1"})
     run_python_with(check + "assert torch.equal(ours, torch_own)", set_env={"TORCHMHA_FLOAT32_GEMM": "0"})
+    # unforced, the float16 answer reads cpu_has_avx512_fp16 (and so its setting): torch's own GEMM
+    run_python_with(check + "assert torch.equal(ours, torch_own)", set_env={"TORCHMHA_AVX512_FP16": "1"},
+                    unset=("TORCHMHA_FLOAT32_GEMM",))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
