@@ -190,6 +190,8 @@ TORCH_LIBRARY(torchmha, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor(c!) lengths, Tensor? new_lengths, Tensor? padding, float dropout_p) -> Tensor");
+  // Its attention over fixed keys and values (a decoder's memory): the same kernel, nothing written.
+  m.def("static_attention(Tensor q, Tensor keys, Tensor values, Tensor? padding) -> Tensor");
   // The linear layers of a decoding step, for a few rows of x (small_linear.h).
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("quantized_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
@@ -227,6 +229,7 @@ TORCH_LIBRARY(torchmha, m) {
 // decode_attention, which the core calls under grad mode too, refuses a backward below).
 TORCH_LIBRARY_IMPL(torchmha, CPU, m) {
   m.impl("decode_attention", TORCH_FN(torchmha::core::decode_attention_cpu));
+  m.impl("static_attention", TORCH_FN(torchmha::core::static_attention_cpu));
   m.impl("small_linear", TORCH_FN(torchmha::core::small_linear_cpu));
   m.impl("quantized_linear", TORCH_FN(torchmha::core::quantized_linear_cpu));
   m.impl("attention_with_weights", TORCH_FN(torchmha::core::attention_with_weights_cpu));
@@ -239,6 +242,7 @@ TORCH_LIBRARY_IMPL(torchmha, CPU, m) {
 // only warned and returned gradients that left the attention out).
 TORCH_LIBRARY_IMPL(torchmha, Autograd, m) {
   m.impl("decode_attention", torch::autograd::autogradNotImplementedFallback());
+  m.impl("static_attention", torch::autograd::autogradNotImplementedFallback());
 }
 
 TORCH_LIBRARY_IMPL(torchmha, Meta, m) {
@@ -247,6 +251,7 @@ TORCH_LIBRARY_IMPL(torchmha, Meta, m) {
 
 TORCH_LIBRARY_IMPL(torchmha, CompositeExplicitAutograd, m) {
   m.impl("decode_attention", TORCH_FN(torchmha::core::decode_attention_reference));
+  m.impl("static_attention", TORCH_FN(torchmha::core::static_attention_reference));
   m.impl("small_linear", TORCH_FN(torchmha::core::small_linear_reference));
   m.impl("quantized_linear", TORCH_FN(torchmha::core::quantized_linear_reference));
   m.impl("attention_with_weights", TORCH_FN(torchmha::core::attention_with_weights_reference));

@@ -5,6 +5,7 @@
 #include "small_linear.h"
 
 #include "blocked_attention.h"
+#include "decode_attention.h"
 #include "explicit_attention.h"
 #include "in_projection.h"
 
@@ -108,6 +109,17 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalT
   }
   return with_grad ? blocked_attention_differentiable(q, k, v, mask, is_causal)
                    : std::get<0>(blocked_attention(q, k, v, mask, is_causal));
+}
+
+Tensor attend_fixed_keys(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& padding,
+                         double dropout_p) {
+  const Tensor padding_or_none = is_present(padding) ? *padding : Tensor();
+  if (dropout_p > 0.0 || transformed({q, k, v, padding_or_none}) || records_grad({q, k, v, padding_or_none}) ||
+      q.dim() != 4 || k.dim() != 4 || !cpu::static_kernel_pays_off(q.size(2), k.size(2))) {
+    return attend(q, k, v, padding, dropout_p);
+  }
+  const OptionalTensor rows = is_present(padding) ? OptionalTensor(padding->reshape({q.size(0), k.size(2)})) : std::nullopt;
+  return static_attention(q, k, v, rows);
 }
 
 std::pair<Tensor, Tensor> attend_with_weights(const Tensor& q, const Tensor& k, const Tensor& v,

@@ -37,6 +37,12 @@ KeysValues append_extra_key_positions(KeysValues kv, const AttentionWeights& wei
 /// are never materialized. `is_causal` is SDPA's (top-left aligned).
 Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask, double dropout_p,
               bool is_causal = false);
+
+/// attend over fixed keys and values with a key padding mask (N, 1, 1, S) or none: a decoder's
+/// memory. torchmha's static_attention where no gradient, dropout or transform is asked and its
+/// kernel pays off for T rows over S keys (cpu::static_kernel_pays_off), else attend.
+Tensor attend_fixed_keys(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& padding,
+                         double dropout_p);
 /// The same with explicit weights, which are part of the result: {output heads, weights}, the
 /// weights (N, L, S) averaged over the heads or (N, H, L, S) (explicit_attention.h).
 std::pair<Tensor, Tensor> attend_with_weights(const Tensor& q, const Tensor& k, const Tensor& v,

@@ -201,7 +201,7 @@ Tensor attention_with_static_key_value(const Tensor& query, const Tensor& keys, 
   auto mask = checked_padding(call.key_padding_mask, query, keys.size(2), call.batch_first);
   auto heads = project_to_heads(query, Tensor(), Tensor(), w.in_proj, Sharing::kSeparate, w.num_heads,
                                 call.batch_first);
-  return project_output(attend(heads[0], keys, values, mask, call.effective_dropout()), w,
+  return project_output(attend_fixed_keys(heads[0], keys, values, mask, call.effective_dropout()), w,
                         call.batch_first);
 }
 

@@ -132,4 +132,37 @@ Tensor decode_attention_cpu(const Tensor& q, const Tensor& k_new, const Tensor& 
   return decode_attention_reference(q, k_new, v_new, k_cache, v_cache, lengths, new_lengths, padding, dropout_p);
 }
 
+// ------------------------------------------------------------------------------ fixed keys
+
+Tensor static_attention(const Tensor& q, const Tensor& keys, const Tensor& values, const OptionalTensor& padding) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchmha::static_attention", "")
+                       .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const OptionalTensor&)>();
+  return op.call(q, keys, values, padding);
+}
+
+Tensor static_attention_reference(const Tensor& q, const Tensor& keys, const Tensor& values,
+                                  const OptionalTensor& padding) {
+  // (SDPA's CPU kernel does not check that keys and values have one length)
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sym_sizes().equals(keys.sym_sizes()) &&
+                  keys.sym_size(0) == q.sym_size(0) && keys.sym_size(1) == q.sym_size(1) &&
+                  keys.sym_size(3) == q.sym_size(3),
+              "static_attention: expected keys and values of one shape (N, H, S, D) with q's N, H and D ",
+              q.sym_sizes(), ", but got ", keys.sym_sizes(), " and ", values.sym_sizes());
+  TORCH_CHECK(!is_present(padding) || (padding->dim() == 2 && padding->sym_size(0) == q.sym_size(0) &&
+                                       padding->sym_size(1) == keys.sym_size(2)),
+              "static_attention: expected padding of shape (N, S) = (", q.sym_size(0), ", ", keys.sym_size(2),
+              "), but got ", padding->sym_sizes());
+  const OptionalTensor mask =
+      is_present(padding) ? OptionalTensor(padding->unsqueeze(1).unsqueeze(1)) : std::nullopt;  // (N, 1, 1, S)
+  return at::scaled_dot_product_attention(q, keys, values, mask);
+}
+
+Tensor static_attention_cpu(const Tensor& q, const Tensor& keys, const Tensor& values, const OptionalTensor& padding) {
+  if (auto out = cpu::static_attention(q, keys, values, padding)) {
+    return *std::move(out);
+  }
+  return static_attention_reference(q, keys, values, padding);
+}
+
 }  // namespace torchmha::core

@@ -49,4 +49,21 @@ Tensor decode_attention_cpu(const Tensor& q, const Tensor& k_new, const Tensor& 
                             const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                             const OptionalTensor& padding, double dropout_p);
 
+// ---------------------------------------------------------------- fixed keys
+// The attention of a decoding step over fixed keys and values (a decoder's memory, projected once):
+// every row of q sees every key. Its own op (torchmha::static_attention) for the same reason: the
+// decode kernel's pass per (sequence, head) on the CPU, without the cache write; SDPA elsewhere.
+//   q (N, H, T, D); keys, values (N, H, S, D); padding (N, S) additive, or none.
+// A row whose keys are all masked gives zeros (as SDPA's CPU kernel).
+
+/// Through the dispatcher (the op torchmha::static_attention).
+Tensor static_attention(const Tensor& q, const Tensor& keys, const Tensor& values, const OptionalTensor& padding);
+
+/// SDPA: the reference and the fallback (any device, Meta).
+Tensor static_attention_reference(const Tensor& q, const Tensor& keys, const Tensor& values,
+                                  const OptionalTensor& padding);
+
+/// torchmha's CPU kernel where it takes the inputs (decode_attention's dtypes); the reference otherwise.
+Tensor static_attention_cpu(const Tensor& q, const Tensor& keys, const Tensor& values, const OptionalTensor& padding);
+
 }  // namespace torchmha::core

@@ -69,6 +69,12 @@ std::optional<Tensor> decode_attention(const Tensor& q, const Tensor& k_new, con
                                        const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
                                        const OptionalTensor& new_lengths, const OptionalTensor& padding,
                                        double dropout_p);
+/// The op torchmha::static_attention: q's rows over fixed keys and values (a decoder's memory), each
+/// row over every key, the same pass per (sequence, head) without a cache write.
+std::optional<Tensor> static_attention(const Tensor& q, const Tensor& keys, const Tensor& values,
+                                       const OptionalTensor& padding);
+/// Whether that kernel beats SDPA for T query rows over S keys (TORCHMHA_STATIC_KERNEL forces it).
+bool static_kernel_pays_off(int64_t T, int64_t S);
 
 // ---------------------------------------------------------------- linear layers of a few rows
 // (small_linear_kernel.cpp: each weight row read once, at the read rate)

@@ -414,6 +414,83 @@ def test_memory_projected_once_equals_cross_attention(kdim):
     assert_close(torch.cat(steps, 1), expected)
 
 
+def attention_over_memory(q, keys, values, padding):
+    """softmax(q k^T / sqrt(D) + padding) v in float64, zeros where every key is masked."""
+    scores = q.double() @ keys.double().transpose(-1, -2) / q.shape[-1] ** 0.5
+    if padding is not None:
+        scores = scores + padding.double()[:, None, None, :]
+    weights = torch.softmax(scores, -1).nan_to_num(0.0)
+    return weights @ values.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,S", [(1, 1), (1, 64), (3, 17), (5, 64)])
+def test_static_attention_op_equals_attention_over_the_memory(dtype, T, S):
+    """The op over a fixed memory (the decode kernel's pass, nothing written): each row over every
+    key, a padded sequence's masked keys left out, a wholly masked sequence zeros (as SDPA's CPU
+    kernel gives); q read through its strides, as the projection leaves it."""
+    q = torch.randn(N, T, H, 8, dtype=dtype).transpose(1, 2)  # (N, H, T, D), not contiguous
+    keys, values = (torch.randn(N, H, S, 8, dtype=dtype) for _ in range(2))
+    padding = torch.zeros(N, S, dtype=dtype)
+    padding[0, : S // 2] = float("-inf")
+    padding[1] = float("-inf")
+    for mask in (padding, None):
+        got = torch.ops.torchmha.static_attention(q, keys, values, mask)
+        expected = attention_over_memory(q, keys, values, mask)
+        if dtype in (torch.float64, torch.float32):
+            assert_close(got.double(), expected, dtype)
+        else:  # within twice torch's own error at this dtype (SDPA), and one rounding of the output
+            sdpa = torch.nn.functional.scaled_dot_product_attention(q, keys, values, None if mask is None else mask[:, None, None])
+            allowed = 2 * (sdpa.double() - expected).abs().max() + torch.finfo(dtype).eps * expected.abs().max()
+            assert (got.double() - expected).abs().max() <= allowed
+    assert not got.isnan().any() and (torch.ops.torchmha.static_attention(q, keys, values, padding)[1] == 0).all()
+
+
+def test_static_attention_has_no_derivative():
+    """Like decode_attention: a backward through the op is torch's not-implemented error (the core
+    takes SDPA where a gradient is recorded)."""
+    q = torch.randn(1, H, 1, 8, requires_grad=True)
+    out = torch.ops.torchmha.static_attention(q, torch.randn(1, H, 5, 8), torch.randn(1, H, 5, 8), None)
+    with pytest.raises(RuntimeError, match="derivative for torchmha::static_attention is not implemented"):
+        out.sum().backward()
+
+
+def memory_runs_kernel(T, S, grad=False):
+    """Whether a step of T rows over a memory of S positions runs torchmha::static_attention."""
+    mha = torchmha.MultiheadAttention(E, H)
+    with torch.no_grad():
+        memory = mha.project_key_value(torch.randn(S, N, E))
+    with torch.set_grad_enabled(grad), torch.profiler.profile() as prof:
+        mha.forward_with_cache(torch.randn(T, N, E), memory)
+    return any(e.name == "torchmha::static_attention" for e in prof.events())
+
+
+def test_memory_rule_takes_the_kernel_for_few_rows_or_a_short_memory():
+    """decode_attention_kernel.cpp: static_kernel_pays_off (up to 4 rows, or a memory of up to 64)."""
+    assert memory_runs_kernel(1, 1024) and memory_runs_kernel(4, 200) and memory_runs_kernel(300, 64)
+    assert not memory_runs_kernel(5, 65) and not memory_runs_kernel(1, 8, grad=True)
+
+
+def test_memory_setting_forces_each_way():
+    code = "import sys; sys.path.insert(0, %r); import torchmha, test_kv_cache as t; assert {}"
+    run_python_with((code % str(Path(__file__).parent)).format("t.memory_runs_kernel(100, 100)"),
+                    set_env={"TORCHMHA_STATIC_KERNEL": "1"})
+    run_python_with((code % str(Path(__file__).parent)).format("not t.memory_runs_kernel(1, 8)"),
+                    set_env={"TORCHMHA_STATIC_KERNEL": "0"})
+
+
+def test_gradients_through_the_memory_step_equal_torch():
+    """With gradients recorded the step takes SDPA (the kernel has no backward): torch's gradients."""
+    ref, ours = mha_pair(E, H)
+    memory, x = torch.randn(5, N, E, dtype=torch.float64), torch.randn(1, N, E, dtype=torch.float64)
+    grads = []
+    for module, out in ((ref, lambda: ref(x, memory, memory, need_weights=False)[0]),
+                        (ours, lambda: ours.forward_with_cache(x, ours.project_key_value(memory)))):
+        grads.append(torch.autograd.grad(out().pow(2).sum(), module.in_proj_weight)[0])
+    assert grads[1].abs().sum() > 0
+    assert_close(grads[1], grads[0], torch.float64)
+
+
 # ------------------------------------------------------------------------------- compiled
 def test_compiled_decoding_step_compiles_once_for_every_cache_length():
     """torch.compile(dynamic=True) of a cached step: the lengths are a tensor and no shape depends

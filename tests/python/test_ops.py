@@ -208,6 +208,11 @@ def decoding_samples():
         (ops.decode_attention.default,  # a prefill into empty caches: the blocked kernel (float32)
          (*(torch.randn(N, H, 64, D) for _ in range(3)), torch.zeros(N, H, 64, D), torch.zeros(N, H, 64, D),
           torch.tensor([0, 0]), torch.tensor([64, 30]), None, 0.0), {}),
+        (ops.static_attention.default,
+         (torch.randn(N, H, 2, D, **f64), torch.randn(N, H, 5, D, **f64), torch.randn(N, H, 5, D, **f64),
+          torch.tensor([[0.0, -1.0, float("-inf"), 0.5, 0.0], [float("-inf")] * 5], **f64)), {}),
+        (ops.static_attention.default, (torch.randn(N, H, 1, D), torch.randn(N, H, 64, D), torch.randn(N, H, 64, D), None),
+         {}),
         (ops.reorder_cache.default,
          (torch.randn(N, H, max_len, D, **f64), torch.randn(N, H, max_len, D, **f64), torch.tensor([3, 1]),
           torch.tensor([1, 1])), {}),
@@ -313,6 +318,10 @@ def _bad_kernel_calls():
         ("decode: new_lengths of another batch", decode(cache, torch.tensor([3, 1]), torch.tensor([1])),
          "expected new_lengths of shape"),
         ("decode: int32 lengths", decode(cache, torch.tensor([3, 1], dtype=torch.int32)), "dtype int64"),
+        ("static: values of another length", lambda: ops.static_attention(q, kv, kv[:, :, :3], None),
+         "expected keys and values of one shape"),
+        ("static: padding of another length", lambda: ops.static_attention(q, kv, kv, torch.zeros(2, 4, **f64)),
+         r"expected padding of shape \(N, S\) = \(2, 5\)"),
     ]
 
 

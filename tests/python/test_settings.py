@@ -25,6 +25,8 @@ TRIGGERS = {
     "TORCHMHA_PREFILL_BLOCKED": "q = torch.randn(1, 1, 64, 8); c = torch.zeros(1, 1, 64, 8); "
                                 "torch.ops.torchmha.decode_attention(q, q, q, c, c.clone(), "
                                 "torch.tensor([0]), None, None, 0.0)",
+    "TORCHMHA_STATIC_KERNEL": "m = torchmha.MultiheadAttention(8, 1); kv = m.project_key_value(torch.randn(3, 1, 8))"
+                              "\nwith torch.no_grad(): m.forward_with_cache(torch.randn(1, 1, 8), kv)",
     "TORCHMHA_SMALL_LINEAR": "torch.ops.torchmha.small_linear(torch.randn(1, 8), torch.randn(4, 8), None)",
     "TORCHMHA_FLOAT32_GEMM": "x = torch.randn(16, 8, dtype=torch.float16); torch.ops.torchmha.small_linear(x, x[:4], None)",
     "TORCHMHA_VNNI": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
@@ -53,6 +55,7 @@ MALFORMED = [
     ("TORCHMHA_DECODE_KERNEL_MAX_ROWS", "-1", COUNT),
     ("TORCHMHA_DECODE_STATIC_SHAPES", "static", SWITCH),
     ("TORCHMHA_PREFILL_BLOCKED", "auto", SWITCH),
+    ("TORCHMHA_STATIC_KERNEL", "always", SWITCH),
     ("TORCHMHA_SMALL_LINEAR", "off", SWITCH),
     ("TORCHMHA_VNNI", "on", SWITCH),
     ("TORCHMHA_FLOAT32_GEMM", "float", SWITCH),

@@ -16,7 +16,8 @@ struct Half;
 
 namespace torchmha::cpu::kernel {
 
-/// One decoding step's problem: N sequences x H heads, rows of length D.
+/// One decoding step's problem: N sequences x H heads, rows of length D. Without k_new (null: fixed
+/// keys, a decoder's memory), nothing is written and every row of q sees all M keys of k_cache.
 template <typename scalar_t>
 struct DecodeProblem {
   const scalar_t *q, *k_new, *v_new;   // (N, H, T, D), rows contiguous; strides below

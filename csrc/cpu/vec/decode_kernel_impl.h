@@ -13,6 +13,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -135,6 +136,10 @@ void attend_row(const DecodeProblem<scalar_t>& p, const acc_t<scalar_t>* query, 
     scores[j] += A(pad[j]);
   }
   const A max = at::vec::reduce_all<A>([](V a, V b) { return at::vec::maximum(a, b); }, scores.data(), keys);
+  if (max == -std::numeric_limits<A>::infinity()) {  // every key masked: zeros, as SDPA gives
+    std::fill(result, result + p.D, A(0));
+    return;
+  }
   at::vec::map([max](V x) { return (x - V(max)).exp_u20(); }, scores.data(), scores.data(), keys);
   const A sum = at::vec::reduce_all<A>([](V a, V b) { return a + b; }, scores.data(), keys);
   weigh_values<scalar_t, C>(scores.data(), v, keys, p.D, A(1) / sum, result);
@@ -158,24 +163,27 @@ template <typename scalar_t>
 void run(const DecodeProblem<scalar_t>& p, int64_t begin, int64_t end) {
   using A = acc_t<scalar_t>;
   const int64_t D = p.D;
+  const bool fixed = p.k_new == nullptr;  // fixed keys: every row sees all M
   std::vector<A> scores, query(D), result(D);
   for (int64_t i = begin; i < end; ++i) {
     const int64_t n = i / p.H, h = i % p.H;
-    const int64_t start = p.before[n], count = p.added[n];
+    const int64_t start = fixed ? p.M - 1 : p.before[n], count = fixed ? p.T : p.added[n];
     scalar_t* k = p.k_cache + i * p.M * D;
     scalar_t* v = p.v_cache + i * p.M * D;
-    const scalar_t* k_new = p.k_new + n * p.new_strides[0] + h * p.new_strides[1];
-    const scalar_t* v_new = p.v_new + n * p.new_strides[0] + h * p.new_strides[1];
-    for (int64_t t = 0; t < count; ++t) {
-      std::copy(k_new + t * p.new_strides[2], k_new + t * p.new_strides[2] + D, k + (start + t) * D);
-      std::copy(v_new + t * p.new_strides[2], v_new + t * p.new_strides[2] + D, v + (start + t) * D);
+    if (!fixed) {
+      const scalar_t* k_new = p.k_new + n * p.new_strides[0] + h * p.new_strides[1];
+      const scalar_t* v_new = p.v_new + n * p.new_strides[0] + h * p.new_strides[1];
+      for (int64_t t = 0; t < count; ++t) {
+        std::copy(k_new + t * p.new_strides[2], k_new + t * p.new_strides[2] + D, k + (start + t) * D);
+        std::copy(v_new + t * p.new_strides[2], v_new + t * p.new_strides[2] + D, v + (start + t) * D);
+      }
     }
     const scalar_t* q = p.q + n * p.q_strides[0] + h * p.q_strides[1];
     const scalar_t* pad = p.padding != nullptr ? p.padding + n * p.padding_stride : nullptr;
     for (int64_t t = 0; t < count; ++t) {
       const scalar_t* row = q + t * p.q_strides[2];
       std::transform(row, row + D, query.begin(), [](scalar_t x) { return A(x); });
-      attend_row(p, query.data(), k, v, pad, start + t + 1, result.data(), scores);
+      attend_row(p, query.data(), k, v, pad, fixed ? p.M : start + t + 1, result.data(), scores);
       std::transform(result.begin(), result.end(), p.out + (i * p.T + t) * D, [](A x) { return scalar_t(x); });
     }
     std::fill(p.out + (i * p.T + count) * D, p.out + (i + 1) * p.T * D, scalar_t(0));
