@@ -81,9 +81,10 @@ class HandCache:
     model's parameter tensors themselves (no copies), gathered once so a step pays no module
     attribute lookups."""
 
-    def __init__(self, model: nn.Transformer, batch: int, max_length: int, memory: Tensor):
+    def __init__(self, model: nn.Transformer, batch: int, max_length: int, memory: Tensor,
+                 weights: list[dict] | None = None):
         self.H, self.length = model.nhead, 0
-        self.weights = [self._layer_weights(layer) for layer in model.decoder.layers]
+        self.weights = weights or [self._layer_weights(layer) for layer in model.decoder.layers]
         self.final_norm = (model.decoder.norm.weight, model.decoder.norm.bias, model.decoder.norm.eps)
         shape = (batch, self.H, max_length, model.d_model // self.H)
         self.keys = [torch.zeros(shape, device=memory.device, dtype=memory.dtype) for _ in self.weights]
@@ -278,15 +279,14 @@ def int8_step_work(model: nn.Transformer, N: int, position: int, T: int) -> tupl
     return read - matrix * (size - 1), flops
 
 
-class TorchaoHandCache(HandCache):
-    """HandCache with every projection an nn.Linear quantized by torchao's Int8WeightOnlyConfig (its
-    weight-only int8 tensor in F.linear): what a user reaches for to read int8 weights today."""
+def torchao_int8_weights(model: nn.Transformer) -> list[dict]:
+    """HandCache's weights with every projection an nn.Linear quantized by torchao's
+    Int8WeightOnlyConfig (its weight-only int8 tensor in F.linear): what a user reaches for to read
+    int8 weights today. Made once, as CachedDecoder quantizes once."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_  # (benchmarks only: not a dependency)
 
-    @staticmethod
-    def _layer_weights(layer: nn.TransformerDecoderLayer) -> dict:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_  # (benchmarks only: not a dependency)
-
-        weights = HandCache._layer_weights(layer)
+    layers = [HandCache._layer_weights(layer) for layer in model.decoder.layers]
+    for weights in layers:
         for name, value in weights.items():
             if not name.startswith("norm"):
                 weight, bias = value
@@ -296,7 +296,41 @@ class TorchaoHandCache(HandCache):
                     linear.bias.copy_(bias)
                 quantize_(linear, Int8WeightOnlyConfig())
                 weights[name] = (linear.weight, linear.bias)
-        return weights
+    return layers
+
+
+class StaticHandCache(HandCache):
+    """HandCache as torch.compile wants it (gpt-fast's static cache): each new token writes its row
+    with index_copy_ at a position tensor and attends over the whole capacity under a mask of the
+    filled positions, so every token runs one compiled graph (`decode`, compiled once by the
+    caller); the prompt runs eager, as HandCache's."""
+
+    def __init__(self, model: nn.Transformer, batch: int, max_length: int, memory: Tensor, weights: list[dict],
+                 decode: Callable):
+        super().__init__(model, batch, max_length, memory, weights)
+        self.positions = torch.arange(max_length, device=memory.device)
+        self.decode = decode
+
+    def token(self, x: Tensor, position: Tensor) -> Tensor:
+        """One new position (1, N, E) at `position` (a (1,) int64 tensor)."""
+        h = x.transpose(0, 1)
+        visible = (self.positions <= position).view(1, 1, 1, -1)  # (1, 1, 1, max_length)
+        for w, keys, values, memory_kv in zip(self.weights, self.keys, self.values, self.memory_kv):
+            q, k, v = split_heads(F.linear(h, *w["qkv"]), 3, self.H)
+            keys.index_copy_(2, position, k)
+            values.index_copy_(2, position, v)
+            heads = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+            h = self._norm(h + F.linear(merge_heads(heads), *w["self_out"]), *w["norm1"])
+            h = self._norm(h + self._cross_attention(w, h, memory_kv), *w["norm2"])
+            h = self._norm(h + F.linear(F.relu(F.linear(h, *w["linear1"])), *w["linear2"]), *w["norm3"])
+        return self._norm(h, *self.final_norm).transpose(0, 1)
+
+    def step(self, x: Tensor) -> Tensor:
+        if self.length == 0 or x.shape[0] != 1:
+            return super().step(x)
+        position = torch.tensor([self.length], device=x.device)
+        self.length += 1
+        return self.decode(self, x, position)
 
 
 def torchao_available() -> bool:
@@ -310,8 +344,9 @@ def torchao_available() -> bool:
 @case
 def generation_int8(settings: Settings) -> list[Row]:
     """CachedDecoder(model, weight_dtype=torch.int8) on the float32 generation model: tokens per
-    second against the float32 and bfloat16 CachedDecoder and torchao's int8 weight-only hand cache
-    (batch 1), and against the int8 floor (batch 8); the deviation from the unquantized model."""
+    second against the float32 and bfloat16 CachedDecoder and torchao's int8 weight-only hand cache,
+    eager and (as a static cache) under torch.compile (batch 1), and against the int8 floor (batch
+    8); the deviation from the unquantized model."""
     rows = []
     read = mm = None
     for N, P, G in INT8_SETTINGS:
@@ -330,7 +365,11 @@ def generation_int8(settings: Settings) -> list[Row]:
 
         peers: Peers = {name: (lambda name=name: run(name)) for name in decoders}
         if N == 1 and torchao_available():
-            peers["torchao"] = lambda: teacher_forced(TorchaoHandCache(model, N, P + G, memory).step, prompt, new)
+            int8 = torchao_int8_weights(model)
+            decode = torch.compile(StaticHandCache.token)  # one graph for every token, compiled in the first call
+            peers["torchao"] = lambda: teacher_forced(HandCache(model, N, P + G, memory, int8).step, prompt, new)
+            peers["torchao_compiled"] = lambda: teacher_forced(
+                StaticHandCache(model, N, P + G, memory, int8, decode).step, prompt, new)
         peers = {name: torch.inference_mode()(fn) for name, fn in peers.items()}
         outputs = {name: fn().float() for name, fn in peers.items()}
         deviation = max_abs_diff(outputs["ours"], outputs["float32"])
@@ -351,9 +390,10 @@ def generation_int8(settings: Settings) -> list[Row]:
                             times["float32"] / times["ours"], notes, data))
             rows.append(Row("generation_int8_vs_bf16", setting, times, deviation, Target("bfloat16/ours", ">=", 1.8),
                             times["bfloat16"] / times["ours"], notes, data))
-            if "torchao" in times:
-                rows.append(Row("generation_int8_vs_torchao", setting, times, deviation,
-                                Target("torchao/ours", ">=", 1.0), times["torchao"] / times["ours"], notes, data))
+            for peer in ("torchao", "torchao_compiled"):
+                if peer in times:
+                    rows.append(Row(f"generation_int8_vs_{peer}", setting, times, deviation,
+                                    Target(f"{peer}/ours", ">=", 1.0), times[peer] / times["ours"], notes, data))
         rows.append(Row("generation_int8_floor", setting, {"ours": times["ours"], "floor": floor_ms}, deviation,
                         Target("floor/ours", ">=", 0.8 if N == 1 else 0.7), floor_ms / times["ours"], notes, data))
     return rows
