@@ -86,7 +86,7 @@ class HandCache:
     def __init__(self, model: nn.Transformer, batch: int, max_length: int, memory: Tensor,
                  weights: list[dict] | None = None):
         self.H, self.length = model.nhead, 0
-        self.weights = weights or [self._layer_weights(layer) for layer in model.decoder.layers]
+        self.weights = weights if weights is not None else [self._layer_weights(layer) for layer in model.decoder.layers]
         self.final_norm = (model.decoder.norm.weight, model.decoder.norm.bias, model.decoder.norm.eps)
         shape = (batch, self.H, max_length, model.d_model // self.H)
         self.keys = [torch.zeros(shape, device=memory.device, dtype=memory.dtype) for _ in self.weights]
@@ -126,13 +126,17 @@ class HandCache:
         (q,) = split_heads(F.linear(h, *w["q"]), 1, self.H)
         return F.linear(merge_heads(F.scaled_dot_product_attention(q, *memory_kv)), *w["cross_out"])
 
+    def _after_self_attention(self, w: dict, h: Tensor, attended: Tensor, memory_kv: tuple[Tensor, Tensor]) -> Tensor:
+        """The rest of a post-norm layer: norm1, cross-attention, norm2, feed-forward, norm3."""
+        h = self._norm(h + attended, *w["norm1"])
+        h = self._norm(h + self._cross_attention(w, h, memory_kv), *w["norm2"])
+        return self._norm(h + F.linear(F.relu(F.linear(h, *w["linear1"])), *w["linear2"]), *w["norm3"])
+
     def step(self, x: Tensor) -> Tensor:
         """Appends x (T, N, E) and returns the decoder's output there."""
         h = x.transpose(0, 1)  # (N, T, E), the layout the heads split from
         for w, keys, values, memory_kv in zip(self.weights, self.keys, self.values, self.memory_kv):
-            h = self._norm(h + self._self_attention(w, h, keys, values), *w["norm1"])
-            h = self._norm(h + self._cross_attention(w, h, memory_kv), *w["norm2"])
-            h = self._norm(h + F.linear(F.relu(F.linear(h, *w["linear1"])), *w["linear2"]), *w["norm3"])
+            h = self._after_self_attention(w, h, self._self_attention(w, h, keys, values), memory_kv)
         self.length += x.shape[0]
         return self._norm(h, *self.final_norm).transpose(0, 1)
 
@@ -322,9 +326,7 @@ class StaticHandCache(HandCache):
             keys.index_copy_(2, position, k)
             values.index_copy_(2, position, v)
             heads = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
-            h = self._norm(h + F.linear(merge_heads(heads), *w["self_out"]), *w["norm1"])
-            h = self._norm(h + self._cross_attention(w, h, memory_kv), *w["norm2"])
-            h = self._norm(h + F.linear(F.relu(F.linear(h, *w["linear1"])), *w["linear2"]), *w["norm3"])
+            h = self._after_self_attention(w, h, F.linear(merge_heads(heads), *w["self_out"]), memory_kv)
         return self._norm(h, *self.final_norm).transpose(0, 1)
 
     def step(self, x: Tensor) -> Tensor:

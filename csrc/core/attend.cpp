@@ -115,7 +115,7 @@ Tensor attend_fixed_keys(const Tensor& q, const Tensor& k, const Tensor& v, cons
                          double dropout_p) {
   const Tensor padding_or_none = is_present(padding) ? *padding : Tensor();
   if (dropout_p > 0.0 || transformed({q, k, v, padding_or_none}) || records_grad({q, k, v, padding_or_none}) ||
-      q.dim() != 4 || k.dim() != 4 || !cpu::static_kernel_pays_off(q.size(2), k.size(2))) {
+      !cpu::static_kernel_pays_off(q.size(2), k.size(2))) {
     return attend(q, k, v, padding, dropout_p);
   }
   const OptionalTensor rows = is_present(padding) ? OptionalTensor(padding->reshape({q.size(0), k.size(2)})) : std::nullopt;

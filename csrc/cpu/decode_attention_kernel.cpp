@@ -123,11 +123,16 @@ int64_t kernel_max_rows() {
   return rows;
 }
 
+// The dtypes the kernel reads (bfloat16 and float16 computed in float), on a CPU with its loops.
+bool kernel_serves(at::ScalarType dtype) {
+  return cpu_capability() != Capability::kNone &&
+      (dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf);
+}
+
 bool kernel_applies(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                     const Tensor& v_cache, const OptionalTensor& padding, double dropout_p) {
   const auto dtype = q.scalar_type();
-  const bool stored = dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf;
-  if (cpu_capability() == Capability::kNone || dropout_p > 0.0 || !stored || q.size(2) > kernel_max_rows()) {
+  if (!kernel_serves(dtype) || dropout_p > 0.0 || q.size(2) > kernel_max_rows()) {
     return false;
   }
   for (const Tensor* t : {&k_new, &v_new, &k_cache, &v_cache}) {
@@ -204,8 +209,7 @@ void static_attention_kernel(const Tensor& q, const Tensor& keys, const Tensor& 
 
 bool static_kernel_applies(const Tensor& q, const Tensor& keys, const Tensor& values, const OptionalTensor& padding) {
   const auto dtype = q.scalar_type();
-  const bool stored = dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf;
-  if (cpu_capability() == Capability::kNone || !stored || !q.device().is_cpu() || q.dim() != 4 || keys.dim() != 4) {
+  if (!kernel_serves(dtype) || !q.device().is_cpu() || q.dim() != 4 || keys.dim() != 4) {
     return false;
   }
   const int64_t N = q.size(0), H = q.size(1), D = q.size(3), S = keys.size(2);

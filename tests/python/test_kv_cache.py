@@ -446,6 +446,23 @@ def test_static_attention_op_equals_attention_over_the_memory(dtype, T, S):
     assert not got.isnan().any() and (torch.ops.torchmha.static_attention(q, keys, values, padding)[1] == 0).all()
 
 
+def test_a_step_whose_visible_keys_are_all_padded_gives_zeros_as_sdpa():
+    """The cached step's kernel shares that rule: a sequence whose every visible cache position is
+    padded gets zeros (it gave NaN), as SDPA's CPU kernel gives with the same mask; the other
+    sequence is untouched."""
+    q = torch.randn(2, H, 1, 8)
+    cache = torch.randn(2, H, 6, 8)
+    padding = torch.zeros(2, 6)
+    padding[1] = float("-inf")
+    lengths = torch.tensor([3, 3])
+    got = torch.ops.torchmha.decode_attention(q, q, q, cache, cache.clone(), lengths, None, padding, 0.0)
+    keys = cache.clone()
+    keys[:, :, 3] = q[:, :, 0]
+    expected = torch.nn.functional.scaled_dot_product_attention(q, keys[:, :, :4], keys[:, :, :4], padding[:, None, None, :4])
+    assert (got[1] == 0).all() and (expected[1] == 0).all()
+    assert_close(got, expected, torch.float32)
+
+
 def test_static_attention_has_no_derivative():
     """Like decode_attention: a backward through the op is torch's not-implemented error (the core
     takes SDPA where a gradient is recorded)."""

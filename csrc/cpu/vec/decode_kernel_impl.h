@@ -167,7 +167,7 @@ void run(const DecodeProblem<scalar_t>& p, int64_t begin, int64_t end) {
   std::vector<A> scores, query(D), result(D);
   for (int64_t i = begin; i < end; ++i) {
     const int64_t n = i / p.H, h = i % p.H;
-    const int64_t start = fixed ? p.M - 1 : p.before[n], count = fixed ? p.T : p.added[n];
+    const int64_t start = fixed ? 0 : p.before[n], count = fixed ? p.T : p.added[n];
     scalar_t* k = p.k_cache + i * p.M * D;
     scalar_t* v = p.v_cache + i * p.M * D;
     if (!fixed) {
@@ -183,7 +183,8 @@ void run(const DecodeProblem<scalar_t>& p, int64_t begin, int64_t end) {
     for (int64_t t = 0; t < count; ++t) {
       const scalar_t* row = q + t * p.q_strides[2];
       std::transform(row, row + D, query.begin(), [](scalar_t x) { return A(x); });
-      attend_row(p, query.data(), k, v, pad, fixed ? p.M : start + t + 1, result.data(), scores);
+      const int64_t keys = fixed ? p.M : start + t + 1;  // (a cached row sees its prefix and itself)
+      attend_row(p, query.data(), k, v, pad, keys, result.data(), scores);
       std::transform(result.begin(), result.end(), p.out + (i * p.T + t) * D, [](A x) { return scalar_t(x); });
     }
     std::fill(p.out + (i * p.T + count) * D, p.out + (i + 1) * p.T * D, scalar_t(0));
