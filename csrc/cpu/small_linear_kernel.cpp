@@ -93,6 +93,26 @@ bool run_integer_kernel(const Tensor& rows, const Tensor& weight, const Tensor& 
   return true;
 }
 
+// bfloat16 weights against bfloat16 x through AVX512-BF16's dot products (linear_kernel_bf16.cpp),
+// for every row count the kernel takes; TORCHMHA_AVX512_BF16=0 keeps the float loop
+// (docs/kernel_rules.md).
+bool bfloat16_kernel_applies() {
+  static const bool on = settings::read_switch("TORCHMHA_AVX512_BF16").value_or(true) &&
+      cpu_capability() == Capability::kAvx512 && cpu_has_feature("avx512_bf16");
+  return on;
+}
+
+void run_bfloat16_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& bias, const Tensor& y) {
+  const int64_t K = x.size(-1), O = weight.size(0);
+  const Tensor rows = x.reshape({-1, K}).contiguous();
+  const auto bits = [](const Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); };
+  const kernel::BFloat16Problem problem{bits(rows), bits(weight), weight.stride(0),
+                                        is_present(bias) ? bits(*bias) : nullptr, bits(y), rows.size(0), K, O};
+  at::parallel_for(0, O, grain_of(K, 2), [&](int64_t begin, int64_t end) {
+    kernel::avx512_bf16::bfloat16_rows(problem, begin, end);
+  });
+}
+
 // Whether sum_k |W[o, k] x[m, k]| may pass float's range with int8 weights (|W| <= 128) before the
 // scale brings it back: then the dequantizing reference runs (it scales the weights first).
 bool int8_sums_may_overflow(const Tensor& rows) {
@@ -114,6 +134,12 @@ bool int8_sums_may_overflow(const Tensor& rows) {
 template <typename scalar_t, typename weight_t>
 bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& scale, const OptionalTensor& bias,
                 const Tensor& y) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<weight_t, c10::BFloat16>) {
+    if (bfloat16_kernel_applies()) {
+      run_bfloat16_kernel(x, weight, bias, y);
+      return true;
+    }
+  }
   const int64_t K = x.size(-1), O = weight.size(0);
   const Tensor rows = x.reshape({-1, K}).to(at::kFloat).contiguous();
   if constexpr (std::is_same_v<weight_t, int8_t>) {

@@ -10,6 +10,9 @@ import torchmha  # noqa: F401  (registers the ops)
 from helpers import run_python_with
 
 op = torch.ops.torchmha.small_linear
+needs_avx512_bf16 = pytest.mark.skipif(
+    not (torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported()),
+    reason="needs AVX512-BF16")
 # Against float64: the kernel's error within a small multiple of torch's own (F.linear in the dtype).
 SLACK = {torch.float32: 1e-5, torch.bfloat16: 0, torch.float16: 0}
 
@@ -28,6 +31,31 @@ def test_small_linear_matches_linear(dtype, rows, K, O, bias):
     torch_own = (F.linear(x, w, b).double() - exact).abs().max()
     assert ours.dtype == dtype and ours.shape == (rows, O)
     assert (ours.double() - exact).abs().max() <= 2 * torch_own + SLACK[dtype] + 1e-6
+
+
+def test_without_avx512_bf16_the_float_loop_computes_the_same():
+    """TORCHMHA_AVX512_BF16=0: bfloat16 rows widened to float (the path of CPUs without AVX512-BF16)."""
+    code = ("import sys, torch; sys.path.insert(0, %r); import test_small_linear as t; "
+            "[t.test_small_linear_matches_linear(torch.bfloat16, r, K, O, b) for r in (1, 3, 8) "
+            "for K, O, b in ((37, 13, False), (512, 2048, True))]")
+    import pathlib
+    run_python_with(code % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_AVX512_BF16": "0"})
+
+
+@needs_avx512_bf16
+def test_avx512_bf16_setting_moves_bfloat16_rows_to_the_float_loop():
+    """x = 1e-39 (a bfloat16 subnormal) against a weight of 2^100: vdpbf16ps reads subnormal inputs as
+    zero (docs/kernel_rules.md), the float loop gives torch's 1.28e-9; TORCHMHA_AVX512_BF16=0 gives the
+    float loop's answer."""
+    code = """
+import torch, torchmha
+x = torch.tensor([[1e-39, 0.0]], dtype=torch.bfloat16)
+w = torch.tensor([[2.0**100, 1.0]], dtype=torch.bfloat16)
+y = torch.ops.torchmha.small_linear(x, w, None).item()
+assert (y > 1e-9) == {}, y
+"""
+    run_python_with(code.format(False))
+    run_python_with(code.format(True), set_env={"TORCHMHA_AVX512_BF16": "0"})
 
 
 def test_strided_weight_rows_and_batched_input():

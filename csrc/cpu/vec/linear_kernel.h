@@ -46,6 +46,22 @@ void linear_rows(const LinearProblem<c10::BFloat16, int8_t>& p, int64_t begin, i
 void linear_rows(const LinearProblem<c10::Half, int8_t>& p, int64_t begin, int64_t end);
 }  // namespace avx512
 
+/// bfloat16 weights against bfloat16 x on AVX512-BF16 (linear_kernel_bf16.cpp): y = x W^T + b
+/// with vdpbf16ps, values as their bfloat16 bits.
+struct BFloat16Problem {
+  const uint16_t* x;     // (M, K), contiguous
+  const uint16_t* w;     // (O, K), rows contiguous, row stride w_stride
+  int64_t w_stride;
+  const uint16_t* bias;  // (O,) or null
+  uint16_t* y;           // (M, O), contiguous
+  int64_t M, K, O;
+};
+
+namespace avx512_bf16 {
+/// Output features [begin, end); M is at most kLinearMaxRows.
+void bfloat16_rows(const BFloat16Problem& p, int64_t begin, int64_t end);
+}  // namespace avx512_bf16
+
 /// x as exact integers for int8 weights on AVX512-VNNI (linear_kernel_vnni.cpp): row m is
 /// u_m * steps[m] with u_m = sum_l digits[m][l] 256^l, each digit in [-128, 127], and sums[m] the
 /// sum of u_m over the row. Digit rows are padded_k long (K rounded up to 64), zero past K.

@@ -1,0 +1,116 @@
+// bfloat16 weights against bfloat16 x (linear_kernel.h, "BFloat16Problem"), built for AVX512-BF16
+// (flags in CMakeLists.txt; run only where the CPU has avx512_bf16: small_linear_kernel.cpp).
+//
+// Why: the float loop widens each 16 weights (a zero-extend and a shift) beside each FMA, and
+// x's float rows; one row was bound by those instructions, not by reading. vdpbf16ps takes 32
+// weights an instruction as they are. Its products of two bfloat16 values are exact in float and
+// summed in float, as torch's bfloat16 linear does (it differs only in treating subnormal inputs,
+// below 1.2e-38, as zero).
+//
+// Plain intrinsics only (nothing inline of ATen's or c10's): this file is built with flags the
+// baseline CPU may lack, and an inline function emitted here could be picked by the linker for
+// code that runs everywhere.
+
+#include "linear_kernel.h"
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace torchmha::cpu::kernel::avx512_bf16 {
+namespace {
+
+constexpr int64_t S = 32;  // bfloat16 values a vector
+
+// (the float loop's distance: linear_kernel_impl.h)
+constexpr int64_t kPrefetchRows = 4;
+
+// float to bfloat16, rounded to nearest even, NaN to a quiet NaN: c10::BFloat16's conversion.
+uint16_t to_bfloat16(float value) {
+  if (value != value) {
+    return 0x7FC0;
+  }
+  uint32_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+float to_float(uint16_t value) {
+  const uint32_t bits = static_cast<uint32_t>(value) << 16;
+  float out = 0;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+__m512bh as_pairs(__m512i v) {
+  return reinterpret_cast<__m512bh&>(v);
+}
+
+// Output feature o for all M rows, as the float loop's `features` (linear_kernel_impl.h): the
+// weight row read once, front to back, U vectors at a time with their own accumulators. One feature
+// at a time for every M: two a pass (x loaded once for both, as float32 does) measured slower from
+// 3 to 6 rows (1.25-1.29 against 1.12-1.13 ms at 3-4 rows over weight_reads' 36 matrices, AMD EPYC
+// Zen 5, 2 threads, alternated in one process) and equal at 8; 28 accumulators instead of 16, equal.
+template <int M>
+void feature(const BFloat16Problem& p, int64_t o) {
+  constexpr int A = 16 / M;
+  constexpr int U = A >= 8 ? 8 : A >= 4 ? 4 : A >= 2 ? 2 : 1;
+  const uint16_t* w = p.w + o * p.w_stride;
+  // (an address, not a pointer into the weights: it may lie past their end)
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + kPrefetchRows * p.w_stride * sizeof(uint16_t);
+  __m512 acc[M][U];
+  for (int m = 0; m < M; ++m) {
+    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+  }
+  // (whole: K - k >= S, else the first K - k lanes)
+  const auto block = [&](int64_t k, int u, bool whole) {
+    const __mmask32 lanes = whole ? ~__mmask32(0) : (__mmask32(1) << (p.K - k)) - 1;
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + k * sizeof(uint16_t)), _MM_HINT_T0);
+    const __m512i weights = whole ? _mm512_loadu_si512(w + k) : _mm512_maskz_loadu_epi16(lanes, w + k);
+    for (int m = 0; m < M; ++m) {
+      const uint16_t* x = p.x + m * p.K + k;
+      const __m512i xs = whole ? _mm512_loadu_si512(x) : _mm512_maskz_loadu_epi16(lanes, x);
+      acc[m][u] = _mm512_dpbf16_ps(acc[m][u], as_pairs(weights), as_pairs(xs));
+    }
+  };
+  int64_t k = 0;
+  for (; k + U * S <= p.K; k += U * S) {
+    for (int u = 0; u < U; ++u) block(k + u * S, u, true);
+  }
+  for (; k + S <= p.K; k += S) block(k, 0, true);
+  if (k < p.K) {
+    block(k, 0, false);
+  }
+  for (int m = 0; m < M; ++m) {
+    __m512 total = acc[m][0];
+    for (int u = 1; u < U; ++u) total = _mm512_add_ps(total, acc[m][u]);
+    float sum = _mm512_reduce_add_ps(total);
+    if (p.bias != nullptr) {
+      sum += to_float(p.bias[o]);
+    }
+    p.y[m * p.O + o] = to_bfloat16(sum);
+  }
+}
+
+template <int M>
+void rows_of(const BFloat16Problem& p, int64_t begin, int64_t end) {
+  for (int64_t o = begin; o < end; ++o) feature<M>(p, o);
+}
+
+}  // namespace
+
+void bfloat16_rows(const BFloat16Problem& p, int64_t begin, int64_t end) {
+  switch (p.M) {
+    case 1: return rows_of<1>(p, begin, end);
+    case 2: return rows_of<2>(p, begin, end);
+    case 3: return rows_of<3>(p, begin, end);
+    case 4: return rows_of<4>(p, begin, end);
+    case 5: return rows_of<5>(p, begin, end);
+    case 6: return rows_of<6>(p, begin, end);
+    case 7: return rows_of<7>(p, begin, end);
+    default: return rows_of<8>(p, begin, end);
+  }
+}
+
+}  // namespace torchmha::cpu::kernel::avx512_bf16
