@@ -80,10 +80,6 @@ KeysValues append_extra_key_positions(KeysValues kv, const AttentionWeights& wei
   return kv;
 }
 
-namespace {
-
-// Forward-mode tangents, function transforms (vmap, jvp) and dispatch modes (tracing): the kernels
-// have no rules for them.
 bool transformed(std::initializer_list<Tensor> tensors) {
   return std::any_of(tensors.begin(), tensors.end(), [](const Tensor& t) {
     return t.defined() && (t._fw_grad(/*level=*/0).defined() || at::isTensorSubclassLike(t));
@@ -94,8 +90,6 @@ bool records_grad(std::initializer_list<Tensor> tensors) {
   return at::GradMode::is_enabled() &&
       std::any_of(tensors.begin(), tensors.end(), [](const Tensor& t) { return t.defined() && t.requires_grad(); });
 }
-
-}  // namespace
 
 Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask, double dropout_p,
               bool is_causal) {

@@ -8,6 +8,8 @@
 #include "decode_attention.h"
 #include "small_linear.h"
 
+#include "cpu/kernels.h"
+
 #include <torchmha/errors.h>
 
 #include <ATen/ATen.h>
@@ -86,6 +88,18 @@ Tensor norm(const Tensor& x, const LayerNormWeights& n) {
   return at::layer_norm(x, {x.size(-1)}, n.weight, n.bias, n.eps);
 }
 
+// norm(x + y): torchmha's one-pass kernel where it takes the call (no gradient or trace), else
+// ATen's add and layer_norm.
+Tensor add_norm(const Tensor& x, const Tensor& y, const LayerNormWeights& n) {
+  const Tensor weight = is_present(n.weight) ? *n.weight : Tensor(), bias = is_present(n.bias) ? *n.bias : Tensor();
+  if (!transformed({x, y, weight, bias}) && !records_grad({x, y, weight, bias})) {
+    if (auto out = cpu::residual_layer_norm(x, y, n.weight, n.bias, n.eps)) {
+      return *std::move(out);
+    }
+  }
+  return norm(x + y, n);
+}
+
 // Before anything is written: the step's inputs against the state and the model.
 void check_step(const Tensor& tgt, const Stack& stack, const StackState& state) {
   TORCHMHA_CHECK_ARG(tgt.dim() == 3, kWho, ": expected tgt of shape ",
@@ -137,11 +151,11 @@ Tensor layer_step(Tensor x, const StackLayer& layer, int64_t index, const StackS
     }
     return x + feed_forward(norm(x, ff_norm));
   }
-  x = norm(x + self_block(x), layer.norm1);
+  x = add_norm(x, self_block(x), layer.norm1);
   if (cross) {
-    x = norm(x + cross_block(x), layer.norm2);
+    x = add_norm(x, cross_block(x), layer.norm2);
   }
-  return norm(x + feed_forward(x), ff_norm);
+  return add_norm(x, feed_forward(x), ff_norm);
 }
 
 // The sequences `slots` name, as a 1-D int64 index on `like`'s device (all if absent).

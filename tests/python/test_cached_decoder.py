@@ -308,6 +308,40 @@ def test_low_precision_within_torchs_own_error(dtype):
         assert (got - exact).abs().max() <= 2 * (torch_own - exact).abs().max() + 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("config", [dict(kind="decoder"), dict(kind="encoder", bias=False)], ids=["decoder", "no-bias"])
+def test_post_norm_steps_without_gradients_within_torchs_own_error(dtype, config):
+    """Inference steps of a post-norm stack, where each residual's LayerNorm is torchmha's one-pass
+    kernel (residual_norm_kernel.cpp), with and without the norms' bias: against float64 within
+    twice the error of torch's own forward in the dtype."""
+    model64 = make_model(**config)
+    model = copy.deepcopy(model64).to(dtype)
+    with torch.inference_mode():
+        g = Generation(model, N=2, max_length=8, dtype=dtype)
+        g.step([3, 2])
+        g.step([1, 1])
+        g.step([1, 1])
+    for n in range(2):
+        got = torch.cat(g.outputs[n]).double()
+        tokens = g.tokens[n][:g.filled[n]]
+        memory = g.memory[n] if config["kind"] == "decoder" else None
+        exact = reference(model64, tokens.double(), None if memory is None else memory.double())
+        torch_own = (reference(model, tokens, memory).double() - exact).abs().max()
+        slack = 1e-5 if dtype == torch.float32 else 0
+        assert (got - exact).abs().max() <= 2 * torch_own + slack
+
+
+def test_residual_norm_setting_keeps_atens_add_and_layer_norm():
+    """TORCHMHA_RESIDUAL_NORM=0: the same steps through ATen's add and layer_norm (the path with
+    gradients, traces and float64), within the same bound."""
+    import pathlib
+    from helpers import run_python_with
+    code = ("import sys, torch; sys.path.insert(0, %r); import test_cached_decoder as t; "
+            "[t.test_post_norm_steps_without_gradients_within_torchs_own_error(d, c) "
+            "for d in (torch.float32, torch.bfloat16) for c in (dict(kind='decoder'), dict(kind='encoder', bias=False))]")
+    run_python_with(code % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_RESIDUAL_NORM": "0"})
+
+
 # --------------------------------------------------------------------------- bad input
 
 

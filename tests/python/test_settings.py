@@ -31,6 +31,9 @@ TRIGGERS = {
     "TORCHMHA_FLOAT32_GEMM": "x = torch.randn(16, 8, dtype=torch.float16); torch.ops.torchmha.small_linear(x, x[:4], None)",
     "TORCHMHA_AVX512_BF16": "x = torch.randn(1, 8, dtype=torch.bfloat16); "
                             "torch.ops.torchmha.small_linear(x, torch.randn(4, 8, dtype=torch.bfloat16), None)",
+    "TORCHMHA_RESIDUAL_NORM": "m = torchmha.CachedDecoder(torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer("
+                              "8, 1, 16, 0.0), 1, enable_nested_tensor=False).eval())\n"
+                              "with torch.no_grad(): m(torch.randn(1, 1, 8), m.new_state(1, 2))",
     "TORCHMHA_VNNI": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
                      "torch.ops.torchmha.quantized_linear(torch.randn(1, 8), q, s, None)",
     "TORCHMHA_CPU_CAPABILITY": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
@@ -60,6 +63,7 @@ MALFORMED = [
     ("TORCHMHA_STATIC_KERNEL", "always", SWITCH),
     ("TORCHMHA_SMALL_LINEAR", "off", SWITCH),
     ("TORCHMHA_VNNI", "on", SWITCH),
+    ("TORCHMHA_RESIDUAL_NORM", "fused", SWITCH),
     ("TORCHMHA_AVX512_BF16", "yes", SWITCH),
     ("TORCHMHA_FLOAT32_GEMM", "float", SWITCH),
     ("TORCHMHA_CPU_CAPABILITY", "avx512f", "must be one of avx512, avx2, default"),
