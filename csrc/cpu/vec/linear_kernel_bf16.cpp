@@ -43,8 +43,9 @@ float to_float(uint16_t value) {
   return out;
 }
 
+// (a vector bitcast: 32 bfloat16 values as vdpbf16ps's operand type)
 __m512bh as_pairs(__m512i v) {
-  return reinterpret_cast<__m512bh&>(v);
+  return (__m512bh)v;
 }
 
 // Output feature o for all M rows, as the float loop's `features` (linear_kernel_impl.h): the
