@@ -1,7 +1,8 @@
 """int8 weights for decoding (csrc/core/small_linear.cpp, csrc/cpu/small_linear_kernel.cpp): quantize_weight
 (symmetric, a float32 scale per output channel) and quantized_linear, y = (x W_q^T) * scale + b, by the CPU
-kernel for up to 8 rows of x (on AVX512-VNNI, up to 4 rows as exact integers: linear_kernel_vnni.cpp), in
-blocks of 8 rows up to 32, and by the dequantizing reference elsewhere."""
+kernel for up to 8 rows of x (on AVX512-VNNI, up to 4 rows as exact integers: linear_kernel_vnni.cpp; on
+AVX512-BF16, 5-8 rows of bfloat16 x by bfloat16 dot products: linear_kernel_bf16.cpp), in blocks of 8 rows
+up to 32, and by the dequantizing reference elsewhere."""
 
 import pytest
 import torch
@@ -92,6 +93,16 @@ def test_without_vnni_the_float_conversion_computes_the_same():
             "[t.test_float32_error_within_float32_rounding(r, K) for r in (1, 4) for K in (65, 2048)]; "
             "t.test_zero_tiny_huge_and_non_finite_rows()")
     run_python_with(code % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_VNNI": "0"})
+
+
+def test_without_avx512_bf16_the_float_loop_computes_bfloat16_rows_the_same():
+    """TORCHMHA_AVX512_BF16=0: 5-8 rows of bfloat16 x through the float loop (CPUs without AVX512-BF16)."""
+    from helpers import run_python_with
+    import pathlib
+    code = ("import sys, torch; sys.path.insert(0, %r); import test_quantized_linear as t; "
+            "[t.test_quantized_linear_is_linear_with_the_dequantized_weight(torch.bfloat16, r, K, O, b) "
+            "for r in (5, 8) for K, O, b in ((37, 13, False), (512, 2048, True))]")
+    run_python_with(code % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_AVX512_BF16": "0"})
 
 
 def test_strided_rows_and_batched_input():

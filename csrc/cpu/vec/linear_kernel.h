@@ -46,12 +46,15 @@ void linear_rows(const LinearProblem<c10::BFloat16, int8_t>& p, int64_t begin, i
 void linear_rows(const LinearProblem<c10::Half, int8_t>& p, int64_t begin, int64_t end);
 }  // namespace avx512
 
-/// bfloat16 weights against bfloat16 x on AVX512-BF16 (linear_kernel_bf16.cpp): y = x W^T + b
-/// with vdpbf16ps, values as their bfloat16 bits.
+/// bfloat16 x against bfloat16 weights, or int8 weights with one float scale per row (each 32
+/// converted to bfloat16, exactly), on AVX512-BF16 (linear_kernel_bf16.cpp): y = x W^T (* scale)
+/// + b with vdpbf16ps, bfloat16 values as their bits.
+template <typename weight_t>
 struct BFloat16Problem {
   const uint16_t* x;     // (M, K), contiguous
-  const uint16_t* w;     // (O, K), rows contiguous, row stride w_stride
+  const weight_t* w;     // (O, K): bfloat16 bits or int8; rows contiguous, row stride w_stride
   int64_t w_stride;
+  const float* scale;    // (O,) for int8 weights, else null
   const uint16_t* bias;  // (O,) or null
   uint16_t* y;           // (M, O), contiguous
   int64_t M, K, O;
@@ -59,7 +62,8 @@ struct BFloat16Problem {
 
 namespace avx512_bf16 {
 /// Output features [begin, end); M is at most kLinearMaxRows.
-void bfloat16_rows(const BFloat16Problem& p, int64_t begin, int64_t end);
+void bfloat16_rows(const BFloat16Problem<uint16_t>& p, int64_t begin, int64_t end);
+void bfloat16_rows(const BFloat16Problem<int8_t>& p, int64_t begin, int64_t end);
 }  // namespace avx512_bf16
 
 /// x as exact integers for int8 weights on AVX512-VNNI (linear_kernel_vnni.cpp): row m is

@@ -1,5 +1,6 @@
-// bfloat16 weights against bfloat16 x (linear_kernel.h, "BFloat16Problem"), built for AVX512-BF16
-// (flags in CMakeLists.txt; run only where the CPU has avx512_bf16: small_linear_kernel.cpp).
+// bfloat16 x against bfloat16 or int8 weights (linear_kernel.h, "BFloat16Problem"), built for
+// AVX512-BF16 (flags in CMakeLists.txt; run only where the CPU has avx512_bf16:
+// small_linear_kernel.cpp). int8 weights are converted to bfloat16 exactly, once for all rows.
 //
 // Why: the float loop widens each 16 weights (a zero-extend and a shift) beside each FMA, and
 // x's float rows; one row was bound by those instructions, not by reading. vdpbf16ps takes 32
@@ -17,6 +18,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace torchmha::cpu::kernel::avx512_bf16 {
 namespace {
@@ -48,18 +50,34 @@ __m512bh as_pairs(__m512i v) {
   return (__m512bh)v;
 }
 
+// 32 weights from w as bfloat16 (whole: all 32, else the lanes set): bfloat16 as they are; int8
+// sign-extended, converted to float and packed to bfloat16, exactly (|w| <= 128 has 8 bits).
+template <typename weight_t>
+__m512i load_weights(const weight_t* w, __mmask32 lanes, bool whole) {
+  if constexpr (std::is_same_v<weight_t, uint16_t>) {
+    return whole ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi16(lanes, w);
+  } else {
+    const __m128i low = whole ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w))
+                              : _mm_maskz_loadu_epi8(static_cast<__mmask16>(lanes), w);
+    const __m128i high = whole ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))
+                               : _mm_maskz_loadu_epi8(static_cast<__mmask16>(lanes >> 16), w + 16);
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(high)),
+                                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(low)));
+  }
+}
+
 // Output feature o for all M rows, as the float loop's `features` (linear_kernel_impl.h): the
 // weight row read once, front to back, U vectors at a time with their own accumulators. One feature
 // at a time for every M: two a pass (x loaded once for both, as float32 does) measured slower from
 // 3 to 6 rows (1.25-1.29 against 1.12-1.13 ms at 3-4 rows over weight_reads' 36 matrices, AMD EPYC
 // Zen 5, 2 threads, alternated in one process) and equal at 8; 28 accumulators instead of 16, equal.
-template <int M>
-void feature(const BFloat16Problem& p, int64_t o) {
+template <typename weight_t, int M>
+void feature(const BFloat16Problem<weight_t>& p, int64_t o) {
   constexpr int A = 16 / M;
   constexpr int U = A >= 8 ? 8 : A >= 4 ? 4 : A >= 2 ? 2 : 1;
-  const uint16_t* w = p.w + o * p.w_stride;
+  const weight_t* w = p.w + o * p.w_stride;
   // (an address, not a pointer into the weights: it may lie past their end)
-  const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + kPrefetchRows * p.w_stride * sizeof(uint16_t);
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + kPrefetchRows * p.w_stride * sizeof(weight_t);
   __m512 acc[M][U];
   for (int m = 0; m < M; ++m) {
     for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
@@ -67,8 +85,8 @@ void feature(const BFloat16Problem& p, int64_t o) {
   // (whole: K - k >= S, else the first K - k lanes)
   const auto block = [&](int64_t k, int u, bool whole) {
     const __mmask32 lanes = whole ? ~__mmask32(0) : (__mmask32(1) << (p.K - k)) - 1;
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + k * sizeof(uint16_t)), _MM_HINT_T0);
-    const __m512i weights = whole ? _mm512_loadu_si512(w + k) : _mm512_maskz_loadu_epi16(lanes, w + k);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + k * sizeof(weight_t)), _MM_HINT_T0);
+    const __m512i weights = load_weights(w + k, lanes, whole);
     for (int m = 0; m < M; ++m) {
       const uint16_t* x = p.x + m * p.K + k;
       const __m512i xs = whole ? _mm512_loadu_si512(x) : _mm512_maskz_loadu_epi16(lanes, x);
@@ -87,6 +105,9 @@ void feature(const BFloat16Problem& p, int64_t o) {
     __m512 total = acc[m][0];
     for (int u = 1; u < U; ++u) total = _mm512_add_ps(total, acc[m][u]);
     float sum = _mm512_reduce_add_ps(total);
+    if (p.scale != nullptr) {
+      sum *= p.scale[o];
+    }
     if (p.bias != nullptr) {
       sum += to_float(p.bias[o]);
     }
@@ -94,24 +115,33 @@ void feature(const BFloat16Problem& p, int64_t o) {
   }
 }
 
-template <int M>
-void rows_of(const BFloat16Problem& p, int64_t begin, int64_t end) {
-  for (int64_t o = begin; o < end; ++o) feature<M>(p, o);
+template <typename weight_t, int M>
+void rows_of(const BFloat16Problem<weight_t>& p, int64_t begin, int64_t end) {
+  for (int64_t o = begin; o < end; ++o) feature<weight_t, M>(p, o);
+}
+
+template <typename weight_t>
+void run(const BFloat16Problem<weight_t>& p, int64_t begin, int64_t end) {
+  switch (p.M) {
+    case 1: return rows_of<weight_t, 1>(p, begin, end);
+    case 2: return rows_of<weight_t, 2>(p, begin, end);
+    case 3: return rows_of<weight_t, 3>(p, begin, end);
+    case 4: return rows_of<weight_t, 4>(p, begin, end);
+    case 5: return rows_of<weight_t, 5>(p, begin, end);
+    case 6: return rows_of<weight_t, 6>(p, begin, end);
+    case 7: return rows_of<weight_t, 7>(p, begin, end);
+    default: return rows_of<weight_t, 8>(p, begin, end);
+  }
 }
 
 }  // namespace
 
-void bfloat16_rows(const BFloat16Problem& p, int64_t begin, int64_t end) {
-  switch (p.M) {
-    case 1: return rows_of<1>(p, begin, end);
-    case 2: return rows_of<2>(p, begin, end);
-    case 3: return rows_of<3>(p, begin, end);
-    case 4: return rows_of<4>(p, begin, end);
-    case 5: return rows_of<5>(p, begin, end);
-    case 6: return rows_of<6>(p, begin, end);
-    case 7: return rows_of<7>(p, begin, end);
-    default: return rows_of<8>(p, begin, end);
-  }
+void bfloat16_rows(const BFloat16Problem<uint16_t>& p, int64_t begin, int64_t end) {
+  run(p, begin, end);
+}
+
+void bfloat16_rows(const BFloat16Problem<int8_t>& p, int64_t begin, int64_t end) {
+  run(p, begin, end);
 }
 
 }  // namespace torchmha::cpu::kernel::avx512_bf16
