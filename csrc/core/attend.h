@@ -32,8 +32,6 @@ struct KeysValues {
 };
 KeysValues append_extra_key_positions(KeysValues kv, const AttentionWeights& weights);
 
-// ---- attend
-
 // ---- whether a kernel of torchmha's (raw pointers, no derivative formula) may take tensors
 
 /// Forward-mode tangents, function transforms (vmap, jvp) or dispatch modes (tracing) on any of
@@ -41,6 +39,8 @@ KeysValues append_extra_key_positions(KeysValues kv, const AttentionWeights& wei
 bool transformed(std::initializer_list<Tensor> tensors);
 /// Whether autograd records a graph through any of `tensors`.
 bool records_grad(std::initializer_list<Tensor> tensors);
+
+// ---- attend
 
 /// softmax(q k^T / sqrt(D) + mask) v through at::scaled_dot_product_attention: the L x S weights
 /// are never materialized. `is_causal` is SDPA's (top-left aligned).

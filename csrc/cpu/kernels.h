@@ -92,8 +92,9 @@ std::optional<Tensor> quantized_linear(const Tensor& x, const Tensor& weight, co
 // (residual_norm_kernel.cpp: one pass over a decoding step's few rows)
 
 /// layer_norm(x + y) over the last dimension, as ATen's add then layer_norm give it (the sum
-/// rounded to x's dtype first): float32/bfloat16/float16, x and y of one shape, contiguous, weight
-/// and bias of x's dtype or absent. TORCHMHA_RESIDUAL_NORM=0 declines every call.
+/// rounded to x's dtype first): float32/bfloat16/float16, x and y of one shape, contiguous, up to 8
+/// rows (a decoding step's), weight and bias of x's dtype or absent. TORCHMHA_RESIDUAL_NORM=0
+/// declines every call.
 std::optional<Tensor> residual_layer_norm(const Tensor& x, const Tensor& y, const OptionalTensor& weight,
                                           const OptionalTensor& bias, double eps);
 

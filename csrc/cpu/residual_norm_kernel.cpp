@@ -1,5 +1,5 @@
 // torchmha's CPU kernel of a decoding step's residual LayerNorm, layer_norm(x + y) (kernels.h):
-// one call over a few rows, where ATen's add and layer_norm cost more in dispatch and allocation
+// one call over up to 8 rows, where ATen's add and layer_norm cost more in dispatch and allocation
 // (layer_norm makes three outputs) than in arithmetic. Measured through a one-layer CachedDecoder
 // step (E=512, AMD EPYC Zen 5, 2 threads, alternated in one process against ATen's pair): 1.9-2.3
 // us less a norm at batch 1 and at batch 8 in float32, 1.9 at batch 1 and none at batch 8 in
@@ -11,9 +11,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -25,7 +23,12 @@ bool enabled() {
   return on;
 }
 
-// Plain contiguous CPU tensors of x's dtype that the kernel reads through raw pointers.
+// Rows up to which the kernel takes a call: the decoding steps it was measured on (1 and 8 rows).
+// A prefill's many rows keep ATen's layer_norm, vectorized for the CPU and parallel.
+constexpr int64_t kMaxRows = 8;
+
+// Plain contiguous CPU tensors of x's dtype, at most kMaxRows rows, that the kernel reads through
+// raw pointers.
 bool kernel_applies(const Tensor& x, const Tensor& y, const OptionalTensor& weight, const OptionalTensor& bias) {
   const auto dtype = x.scalar_type();
   const auto per_feature = [&](const OptionalTensor& t) {
@@ -34,12 +37,11 @@ bool kernel_applies(const Tensor& x, const Tensor& y, const OptionalTensor& weig
   };
   return enabled() && x.device().is_cpu() && y.device().is_cpu() &&
       (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) && y.scalar_type() == dtype &&
-      x.dim() >= 1 && x.size(-1) > 0 && x.sizes() == y.sizes() && x.is_contiguous() && y.is_contiguous() &&
-      !x.unsafeGetTensorImpl()->has_symbolic_sizes_strides() && per_feature(weight) && per_feature(bias);
+      !x.unsafeGetTensorImpl()->has_symbolic_sizes_strides() && x.dim() >= 1 && x.size(-1) > 0 &&
+      x.numel() / x.size(-1) <= kMaxRows && x.sizes() == y.sizes() && x.is_contiguous() && y.is_contiguous() &&
+      per_feature(weight) && per_feature(bias);
 }
 
-// Rows [begin, end) of E features: h = x + y rounded to scalar_t (as torch's add gives it), then
-// (h - mean) / sqrt(var + eps) * weight + bias in float, the variance from a second pass.
 // (eight running sums, so that the compiler can keep them in one vector register: a single chain
 // of dependent adds is 4 cycles an element)
 template <typename F>
@@ -53,13 +55,13 @@ float sum_of(int64_t E, const F& term) {
   return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
-// Rows [begin, end) of E features: h = x + y rounded to scalar_t (as torch's add gives it), then
+// `rows` rows of E features: h = x + y rounded to scalar_t (as torch's add gives it), then
 // (h - mean) / sqrt(var + eps) * weight + bias in float, the variance from a second pass.
 template <typename scalar_t>
 void norm_rows(const scalar_t* x, const scalar_t* y, const scalar_t* weight, const scalar_t* bias, scalar_t* out,
-               int64_t E, float eps, int64_t begin, int64_t end) {
+               int64_t E, float eps, int64_t rows) {
   std::vector<float> h(E);
-  for (int64_t row = begin; row < end; ++row) {
+  for (int64_t row = 0; row < rows; ++row) {
     const scalar_t* xr = x + row * E;
     const scalar_t* yr = y + row * E;
     for (int64_t e = 0; e < E; ++e) {
@@ -89,11 +91,8 @@ std::optional<Tensor> residual_layer_norm(const Tensor& x, const Tensor& y, cons
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "residual_layer_norm_cpu", [&] {
     const scalar_t* w = is_present(weight) ? weight->const_data_ptr<scalar_t>() : nullptr;
     const scalar_t* b = is_present(bias) ? bias->const_data_ptr<scalar_t>() : nullptr;
-    // (a task of at least 16K features: below that a thread costs more than it saves)
-    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / E), [&](int64_t begin, int64_t end) {
-      norm_rows(x.const_data_ptr<scalar_t>(), y.const_data_ptr<scalar_t>(), w, b, out.mutable_data_ptr<scalar_t>(), E,
-                static_cast<float>(eps), begin, end);
-    });
+    norm_rows(x.const_data_ptr<scalar_t>(), y.const_data_ptr<scalar_t>(), w, b, out.mutable_data_ptr<scalar_t>(), E,
+              static_cast<float>(eps), rows);
   });
   return out;
 }

@@ -2,9 +2,9 @@
 // AVX512-BF16 (flags in CMakeLists.txt; run only where the CPU has avx512_bf16:
 // small_linear_kernel.cpp). int8 weights are converted to bfloat16 exactly, once for all rows.
 //
-// Why: the float loop widens each 16 weights (a zero-extend and a shift) beside each FMA, and
-// x's float rows; one row was bound by those instructions, not by reading. vdpbf16ps takes 32
-// weights an instruction as they are. Its products of two bfloat16 values are exact in float and
+// Why: the float loop widens each 16 bfloat16 weights (a zero-extend and a shift) beside each FMA
+// and reads x widened to float; one row was bound by those instructions, not by reading.
+// vdpbf16ps takes 32 weights an instruction as they are. Its products of two bfloat16 values are exact in float and
 // summed in float, as torch's bfloat16 linear does (it differs only in treating subnormal inputs,
 // below 1.2e-38, as zero).
 //
