@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 namespace torchmha::cpu::kernel::TORCHMHA_KERNEL_ISA {
 namespace {
@@ -48,6 +49,14 @@ constexpr int kAccumulators = V::size() == 16 ? 16 : 8;
 // loop 1.51x at 8; bfloat16 1.32x at 8, 1.27x at 4, 1.15x at 1. 2 and 8 rows ahead measured about
 // as 4 (8 a little slower at 8 rows). (Prefetching past the last row is harmless: no fault.)
 constexpr int64_t kPrefetchRows = 4;
+
+// block(k + u * step, u) for each u, written out: as a loop over u, GCC left it rolled (from 2-3 rows
+// of x, one feature a pass), and the accumulators indexed by u then lived on the stack, with a store
+// and a reload around every FMA.
+template <typename Block, int... u>
+inline void each_of(const Block& block, int64_t k, int64_t step, std::integer_sequence<int, u...>) {
+  (block(k + u * step, u), ...);
+}
 
 // Output features [o, o + F) for all M rows: each weight row is read once, front to back, and each
 // vector of it used M times. U vectors of the row at a time, each with its own accumulators, so that
@@ -84,9 +93,7 @@ void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o) {
     }
   };
   int64_t k = 0;
-  for (; k + U * S <= p.K; k += U * S) {
-    for (int u = 0; u < U; ++u) block(k + u * S, u);
-  }
+  for (; k + U * S <= p.K; k += U * S) each_of(block, k, S, std::make_integer_sequence<int, U>());
   for (; k + S <= p.K; k += S) block(k, 0);
   for (int f = 0; f < F; ++f) {
     for (int m = 0; m < M; ++m) {
