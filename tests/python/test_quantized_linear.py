@@ -33,10 +33,10 @@ def test_quantize_weight_rounds_each_row_to_its_own_scale(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9, 32, 33, 40])
-@pytest.mark.parametrize("K, O, bias", [(64, 40, True), (37, 13, False), (200, 9, True), (512, 2048, True)])
+@pytest.mark.parametrize("K, O, bias", [(64, 40, True), (37, 13, False), (200, 9, True), (512, 2048, True), (1100, 301, True)])
 def test_quantized_linear_is_linear_with_the_dequantized_weight(dtype, rows, K, O, bias):
     """Kernel rows (1-8: integer digits for 1-4 on VNNI, float beyond), blocks of kernel rows (9, 32)
-    and the reference's (33, 40); K with a tail past whole vectors. Against
+    and the reference's (33, 40); K with a tail past whole vectors, and in spans (1100). Against
     float64 on the same int8 weights, within twice the error of F.linear in the dtype with the
     dequantized weight."""
     x = torch.randn(rows, K, dtype=dtype)
