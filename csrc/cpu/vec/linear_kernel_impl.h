@@ -137,8 +137,9 @@ void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan
 // the 36 matrices of weight_reads, 2 threads, AMD EPYC Zen 5, against one at a time (in one
 // process, alternated): float32 1.10x faster at 3 rows, 1.12x at 4, 1.36x at 5, 1.30x at 8; int8
 // (this loop: 5-8 rows, or no VNNI) 1.37x at 5, 1.11x at 8. Not bfloat16/float16, whose conversion
-// loads are the bound: 0.70-0.85x at 3-4 rows, 0.96-1.06x at 8. Not the AVX2 copy (8 accumulators):
-// float32 0.81x at 3 rows, 0.98x at 4 on that CPU.
+// loads are the bound: 0.70-0.85x at 3-4 rows, 0.96-1.06x at 8; again with each_of's registers,
+// float16 0.89-0.93x at 4-8 rows (1.11x at 3 alone), bfloat16 0.84x at 3, 0.91x at 8. Not the
+// AVX2 copy (8 accumulators): float32 0.81x at 3 rows, 0.98x at 4 on that CPU.
 template <typename scalar_t, typename weight_t, int M>
 void features_in(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64_t end, const KSpan& span) {
   constexpr bool pairs = V::size() == 16 && M >= 3 && (std::is_same_v<weight_t, float> || std::is_same_v<weight_t, int8_t>);
