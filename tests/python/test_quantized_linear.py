@@ -71,6 +71,18 @@ def test_float32_error_within_float32_rounding(rows, K):
     assert relative_error(ops.quantized_linear(x, q, scale, b), x, q, scale, b) < 2e-6
 
 
+def test_digit_sums_past_int32_in_rows_past_2_16():
+    """Past 2^16 columns one digit's dot product can pass int32 (here the lowest digit's, 255 * -128
+    * 65999: x[0] = 2^29 sets the step to 1, every other x is -128), so the integer path widens the
+    sums to int64 before adding them; up to 2^16 it adds them in int32."""
+    for K in (65536, 66000):
+        x = torch.full((1, K), -128.0)
+        x[0, 0] = 2.0**29
+        q = torch.full((2, K), 127, dtype=torch.int8)
+        scale = torch.tensor([1e-9, 3e-9])
+        assert relative_error(ops.quantized_linear(x, q, scale, None), x, q, scale) < 2e-6
+
+
 def test_zero_tiny_huge_and_non_finite_rows():
     """A row of zeros; tiny and huge rows (scaled exactly by powers of two); inf and
     NaN in x give torch's inf/NaN (the integer path cannot hold them and hands the call to the float

@@ -75,6 +75,23 @@ int64_t combine(const __m512i* acc) {
   return _mm512_reduce_add_epi64(total);
 }
 
+// combine's sum, where each digit's whole dot product fits int32 (|sum_k (w_k + 128) d_k| <= 255 *
+// 128 * K < 2^31 for K <= 2^16): the four digits' lanes summed at once, a transposing tree of int32
+// shuffles and adds, then combined as scalars, where combine widens all 64 lanes to int64 first.
+int64_t combine_short(const __m512i* acc) {
+  const auto halves = [](__m512i a, __m512i b) {  // 128-bit lanes 0-1: a's halves summed, 2-3: b's
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x44), _mm512_shuffle_i32x4(a, b, 0xEE));
+  };
+  const __m512i ab = halves(acc[0], acc[1]), cd = halves(acc[2], acc[3]);
+  // 128-bit lane l: digit l's four partial sums
+  __m512i sums = _mm512_add_epi32(_mm512_shuffle_i32x4(ab, cd, 0x88), _mm512_shuffle_i32x4(ab, cd, 0xDD));
+  sums = _mm512_add_epi32(sums, _mm512_shuffle_epi32(sums, _MM_PERM_BADC));
+  sums = _mm512_add_epi32(sums, _mm512_shuffle_epi32(sums, _MM_PERM_CDAB));
+  alignas(64) int32_t lanes[16];
+  _mm512_store_si512(lanes, sums);
+  return int64_t(lanes[0]) + (int64_t(lanes[4]) << 8) + (int64_t(lanes[8]) << 16) + (int64_t(lanes[12]) << 24);
+}
+
 // Output features [begin, end) for M rows. The weights are read as unsigned w + 128 (vpdpbusd's
 // first operand), against the signed digits; 128 sum_k u_k is taken off at the end.
 template <int M>
@@ -82,6 +99,7 @@ void features(const IntegerProblem& p, int64_t begin, int64_t end) {
   constexpr int U = M == 1 ? kUnroll : 1;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t K = p.K, padded = p.x.padded_k;
+  const bool short_rows = padded <= (int64_t(1) << 16);
   const __mmask64 tail = (K % 64) == 0 ? ~__mmask64(0) : (__mmask64(1) << (K % 64)) - 1;
   for (int64_t o = begin; o < end; ++o) {
     const int8_t* w = p.w + o * p.w_stride;
@@ -116,7 +134,7 @@ void features(const IntegerProblem& p, int64_t begin, int64_t end) {
       for (int u = 1; u < U; ++u) {
         for (int l = 0; l < kDigits; ++l) acc[m][0][l] = _mm512_add_epi32(acc[m][0][l], acc[m][u][l]);
       }
-      const int64_t dot = combine(acc[m][0]) - 128 * p.x.sums[m];
+      const int64_t dot = (short_rows ? combine_short(acc[m][0]) : combine(acc[m][0])) - 128 * p.x.sums[m];
       const double y = static_cast<double>(dot) * p.x.steps[m] * static_cast<double>(p.scale[o]);
       p.y[m * p.O + o] = static_cast<float>(p.bias != nullptr ? y + p.bias[o] : y);
     }
