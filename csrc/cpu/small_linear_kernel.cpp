@@ -155,9 +155,11 @@ bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& sca
     }
     // (past VNNI's rows: the conversion to bfloat16 is shared by every row, each row then one
     // vdpbf16ps per 32 weights, against an FMA per 16 in the float loop)
-    if (std::is_same_v<scalar_t, c10::BFloat16> && bfloat16_kernel_applies()) {
-      run_bfloat16_kernel<int8_t>(x, weight, scale, bias, y);
-      return true;
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (bfloat16_kernel_applies()) {
+        run_bfloat16_kernel<int8_t>(x, weight, scale, bias, y);
+        return true;
+      }
     }
   }
   const kernel::LinearProblem<scalar_t, weight_t> problem{

@@ -9,13 +9,13 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <c10/util/Unroll.h>
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
-#include <utility>
 
 namespace torchmha::cpu::kernel::TORCHMHA_KERNEL_ISA {
 namespace {
@@ -51,21 +51,12 @@ constexpr int kAccumulators = V::size() == 16 ? 16 : 8;
 // as 4 (8 a little slower at 8 rows). (Prefetching past the last row is harmless: no fault.)
 constexpr int64_t kPrefetchRows = 4;
 
-// block(k + u * step, u) for each u, written out: as a loop over u, GCC left it rolled (from 2-3 rows
-// of x, one feature a pass), and the accumulators indexed by u then lived on the stack, with a store
-// and a reload around every FMA.
-template <typename Block, int... u>
-inline void each_of(const Block& block, int64_t k, int64_t step, std::integer_sequence<int, u...>) {
-  (block(k + u * step, u), ...);
-}
-
 // Columns [begin, end) of K in one pass over a block of features. Where x's rows do not fit L1
 // together, K is taken in spans (rows_of), and each feature's sums are carried between the passes.
 struct KSpan {
   int64_t begin, end;
   float* carried;  // (M, kFeatureBlock) sums of the block's features, from `block`; null: K whole
   int64_t block;   // the block's first feature
-  bool first, last;
 };
 constexpr int64_t kFeatureBlock = 256;
 
@@ -104,7 +95,12 @@ void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan
     }
   };
   int64_t k = span.begin;
-  for (; k + U * S <= span.end; k += U * S) each_of(block, k, S, std::make_integer_sequence<int, U>());
+  // (each u a constant: as a loop over u, GCC left it rolled from 2-3 rows of x at one feature a
+  // pass, and the accumulators indexed by u then lived on the stack, a store and a reload around
+  // every FMA)
+  for (; k + U * S <= span.end; k += U * S) {
+    c10::ForcedUnroll<U>{}([&](auto u) { block(k + u * S, u); });
+  }
   for (; k + S <= span.end; k += S) block(k, 0);
   for (int f = 0; f < F; ++f) {
     for (int m = 0; m < M; ++m) {
@@ -116,8 +112,8 @@ void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan
       }
       if (span.carried != nullptr) {
         float& carried = span.carried[m * kFeatureBlock + o + f - span.block];
-        sum += span.first ? 0.0f : carried;
-        if (!span.last) {
+        sum += span.begin == 0 ? 0.0f : carried;
+        if (span.end < p.K) {
           carried = sum;
           continue;
         }
@@ -137,7 +133,7 @@ void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan
 // the 36 matrices of weight_reads, 2 threads, AMD EPYC Zen 5, against one at a time (in one
 // process, alternated): float32 1.10x faster at 3 rows, 1.12x at 4, 1.36x at 5, 1.30x at 8; int8
 // (this loop: 5-8 rows, or no VNNI) 1.37x at 5, 1.11x at 8. Not bfloat16/float16, whose conversion
-// loads are the bound: 0.70-0.85x at 3-4 rows, 0.96-1.06x at 8; again with each_of's registers,
+// loads are the bound: 0.70-0.85x at 3-4 rows, 0.96-1.06x at 8; again with the unrolled loop's registers,
 // float16 0.89-0.93x at 4-8 rows (1.11x at 3 alone), bfloat16 0.84x at 3, 0.91x at 8. Not the
 // AVX2 copy (8 accumulators): float32 0.81x at 3 rows, 0.98x at 4 on that CPU.
 template <typename scalar_t, typename weight_t, int M>
@@ -166,13 +162,13 @@ template <typename scalar_t, typename weight_t, int M>
 void rows_of(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64_t end) {
   const int64_t span = k_span<M>(p.K);
   if (span == p.K) {
-    return features_in<scalar_t, weight_t, M>(p, begin, end, KSpan{0, p.K, nullptr, begin, true, true});
+    return features_in<scalar_t, weight_t, M>(p, begin, end, KSpan{0, p.K, nullptr, begin});
   }
   float carried[M * kFeatureBlock];
   for (int64_t block = begin; block < end; block += kFeatureBlock) {
     const int64_t block_end = std::min(end, block + kFeatureBlock);
     for (int64_t k = 0; k < p.K; k += span) {
-      const KSpan part{k, std::min(p.K, k + span), carried, block, k == 0, k + span >= p.K};
+      const KSpan part{k, std::min(p.K, k + span), carried, block};
       features_in<scalar_t, weight_t, M>(p, block, block_end, part);
     }
   }
