@@ -283,6 +283,30 @@ def test_every_step_reads_the_live_parameters():
     assert_close(after[:, 0], reference(model, x[:, 0], memory[:, 0]))
 
 
+@pytest.mark.parametrize("change", ["submodule", "out_proj", "functional_call"])
+def test_a_step_reads_a_replaced_submodule_or_swapped_parameters(change):
+    """Each step reads the modules as they are now: a submodule replaced since construction
+    (setattr), or the tensors torch.func.functional_call writes into _parameters for its call."""
+    model = make_model("decoder")
+    dec = torchmha.CachedDecoder(model)
+    memory = torch.randn(S, 1, E, dtype=torch.float64)
+    x = torch.randn(3, 1, E, dtype=torch.float64)
+    before = dec(x, dec.new_state(1, 3, memory=memory))
+    if change == "functional_call":
+        swapped = {name: p.detach() * 1.5 for name, p in dec.named_parameters() if name.endswith("linear1.weight")}
+        after = torch.func.functional_call(dec, swapped, (x, dec.new_state(1, 3, memory=memory)))
+        for name, p in swapped.items():
+            dict(model.named_parameters())[name.removeprefix("model.")].data.copy_(p)  # the reference's model
+    else:
+        layer = model.layers[1]
+        parent, name = (layer, "linear2") if change == "submodule" else (layer.multihead_attn, "out_proj")
+        new = nn.Linear(*reversed(getattr(parent, name).weight.shape), dtype=torch.float64)
+        setattr(parent, name, randomize(new, seed=1))
+        after = dec(x, dec.new_state(1, 3, memory=memory))
+    assert (after - before).abs().max() > 1e-3
+    assert_close(after[:, 0], reference(model, x[:, 0], memory[:, 0]))
+
+
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 def test_no_grad_and_inference_mode(mode):
     model = make_model("encoder", dtype=torch.float32)
