@@ -55,6 +55,42 @@ void bind_rules(py::module_& m) {
       arg("device") = py::none());
 }
 
+// What CachedDecoder's Python shell checks before each step, in C++ because of where a step leaves
+// the caches: its weights have streamed through them, so every Python object the check touches is
+// a miss, and a Python loop touches more of them (each value it loads, each frame). These touch
+// only what they compare.
+void bind_step_checks(py::module_& m) {
+  // True if every (dict, key, value) of `entries` still holds: dict[key] is value (identity; the
+  // dicts' own entries are read, not copied).
+  m.def("_entries_unchanged", [](const py::list& entries) {
+    for (const auto& entry : entries) {
+      PyObject* e = entry.ptr();
+      if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 3 || !PyDict_Check(PyTuple_GET_ITEM(e, 0))) {
+        throw py::type_error("_entries_unchanged expects (dict, key, value) tuples");
+      }
+      PyObject* now = PyDict_GetItemWithError(PyTuple_GET_ITEM(e, 0), PyTuple_GET_ITEM(e, 1));  // borrowed
+      if (now == nullptr && PyErr_Occurred()) {
+        throw py::error_already_set();
+      }
+      if (now != PyTuple_GET_ITEM(e, 2)) {
+        return false;
+      }
+    }
+    return true;
+  });
+  // (version, data pointer) of each tensor, flattened: what changes when one is written in place,
+  // or given new data (`.data =`, a move or cast by module.to()).
+  m.def("_tensor_stamps", [](const std::vector<at::Tensor>& tensors) {
+    std::vector<int64_t> stamps;
+    stamps.reserve(2 * tensors.size());
+    for (const auto& t : tensors) {
+      stamps.push_back(static_cast<int64_t>(t._version()));
+      stamps.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
+    }
+    return stamps;
+  });
+}
+
 // torch's bind_module, with `forward` and `__call__` bound to `forward` (a binding with torch's
 // Python signature): the plain bind_module also binds the C++ forward itself to both, and that
 // overload would win for positional calls.
@@ -302,6 +338,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.attr("__version__") = TORCHMHA_VERSION;
   bind_rules(m);
+  bind_step_checks(m);
   auto cpp = m.def_submodule("cpp", "The C++ modules, bound with torch::python::bind_module.");
   bind_caches(cpp);
   bind_versions(cpp);
