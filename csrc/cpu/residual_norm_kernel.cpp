@@ -13,7 +13,6 @@
 #include <ATen/Dispatch.h>
 
 #include <cmath>
-#include <vector>
 
 namespace torchmha::cpu {
 namespace {
@@ -56,23 +55,25 @@ float sum_of(int64_t E, const F& term) {
 }
 
 // `rows` rows of E features: h = x + y rounded to scalar_t (as torch's add gives it), then
-// (h - mean) / sqrt(var + eps) * weight + bias in float, the variance from a second pass.
+// (h - mean) / sqrt(var + eps) * weight + bias in float, the variance from a second pass. h is
+// held in the output row itself: already rounded to scalar_t, it reads back exactly (no buffer to
+// allocate, on a path taken three times a layer each step).
 template <typename scalar_t>
 void norm_rows(const scalar_t* x, const scalar_t* y, const scalar_t* weight, const scalar_t* bias, scalar_t* out,
                int64_t E, float eps, int64_t rows) {
-  std::vector<float> h(E);
   for (int64_t row = 0; row < rows; ++row) {
     const scalar_t* xr = x + row * E;
     const scalar_t* yr = y + row * E;
-    for (int64_t e = 0; e < E; ++e) {
-      h[e] = static_cast<float>(static_cast<scalar_t>(static_cast<float>(xr[e]) + static_cast<float>(yr[e])));
-    }
-    const float mean = sum_of(E, [&](int64_t e) { return h[e]; }) / static_cast<float>(E);
-    const float squares = sum_of(E, [&](int64_t e) { return (h[e] - mean) * (h[e] - mean); });
-    const float rstd = 1.0f / std::sqrt(squares / static_cast<float>(E) + eps);
     scalar_t* o = out + row * E;
     for (int64_t e = 0; e < E; ++e) {
-      const float v = (h[e] - mean) * rstd;
+      o[e] = static_cast<scalar_t>(static_cast<float>(xr[e]) + static_cast<float>(yr[e]));
+    }
+    const auto h = [o](int64_t e) { return static_cast<float>(o[e]); };
+    const float mean = sum_of(E, h) / static_cast<float>(E);
+    const float squares = sum_of(E, [&](int64_t e) { return (h(e) - mean) * (h(e) - mean); });
+    const float rstd = 1.0f / std::sqrt(squares / static_cast<float>(E) + eps);
+    for (int64_t e = 0; e < E; ++e) {
+      const float v = (h(e) - mean) * rstd;
       o[e] = static_cast<scalar_t>(v * (weight != nullptr ? static_cast<float>(weight[e]) : 1.0f) +
                                    (bias != nullptr ? static_cast<float>(bias[e]) : 0.0f));
     }
