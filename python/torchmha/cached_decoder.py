@@ -298,7 +298,7 @@ class CachedDecoder(nn.Module):
         A walk over the modules (their _modules and _parameters dicts) records each entry it read;
         while one C++ call (rules._entries_unchanged) finds every entry as it was, the walk's list
         is served again. After a step's weights have streamed through the caches every object a
-        walk touches is a miss: the walk cost 38-52 us more a step than the check (int8, bfloat16
+        walk touches is a miss: the walk cost 33-52 us more a step than the check (int8, bfloat16
         and float32 steps of the generation model, AMD EPYC; benchmarks/README.md)."""
         if torch.compiler.is_compiling():  # (dynamo cannot trace the C++ check)
             return self._read_parameters(None)

@@ -295,6 +295,7 @@ def test_a_step_reads_a_replaced_submodule_or_swapped_parameters(change):
     if change == "functional_call":
         swapped = {name: p.detach() * 1.5 for name, p in dec.named_parameters() if name.endswith("linear1.weight")}
         after = torch.func.functional_call(dec, swapped, (x, dec.new_state(1, 3, memory=memory)))
+        assert_close(dec(x, dec.new_state(1, 3, memory=memory)), before)  # the model's own again
         for name, p in swapped.items():
             dict(model.named_parameters())[name.removeprefix("model.")].data.copy_(p)  # the reference's model
     else:
