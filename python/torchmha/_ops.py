@@ -1,6 +1,7 @@
 """The C++ extension, loaded once: ``torch.ops.torchmha.*`` (registered by libtorchmha, which _C
-links) and the core's construction-time rules (``_C._check_*``). Every class of the package makes
-one call into these.
+links), the core's construction-time rules (``_C._check_*``) and CachedDecoder's per-step checks
+(``_C._entries_unchanged``, ``_C._tensor_stamps``). Every class of the package makes one call into
+these.
 
 The attention ops take the C++ argument structs (csrc/include/torchmha/attention_arguments.h) as
 runs of schema arguments. ``attention_parameters``, ``attention_options``, ``block_options`` and ``decoding_options``

@@ -14,6 +14,7 @@ The parameters are the model's own, read on every step; nothing is copied. With
 per output channel), made once and made again when a weight changes.
 """
 
+import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -314,7 +315,7 @@ class CachedDecoder(nn.Module):
         params: List[Optional[Tensor]] = []
         for layer in self._layers:
             modules = layer.__dict__["_modules"]
-            child = lambda name: _lookup(modules, name, entries)  # noqa: E731
+            child = functools.partial(_lookup, modules, entries=entries)
             params += _attention_params(child("self_attn"), entries)
             params += _attention_params(child("multihead_attn"), entries) if self.is_decoder else [None] * 4
             params += _module_params(child("linear1"), entries) + _module_params(child("linear2"), entries)
