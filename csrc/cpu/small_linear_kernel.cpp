@@ -49,9 +49,19 @@ bool kernel_applies(const Tensor& x, const Tensor& weight, const OptionalTensor&
       (!is_present(bias) || per_row(*bias, dtype));
 }
 
-// Rows of x up to which int8 weights go through the kernel in blocks of kLinearMaxRows rather than
-// being dequantized for a GEMM (measured on AMD EPYC Zen 5: docs/kernel_rules.md).
-constexpr int64_t kQuantizedBlockedRows = 32;
+// Rows of x up to which int8 weights go through the kernel in blocks of kLinearMaxRows (a pass over
+// the int8 weights each) rather than being dequantized for a GEMM (docs/kernel_rules.md). On AMD
+// with AVX-512, float32 and float16 x: the blocks ran at 202-229 GFLOP/s from 16 to 1024 rows,
+// against 88-195 for the dequantized float32 GEMM (MKL's reaches about a third of the FMA peak
+// there; Zen 5, 2 threads). bfloat16 x keeps 32: its GEMM (oneDNN on AVX512-BF16) overtook the
+// blocks between 32 and 64 rows (549 against 326 GFLOP/s at 128). Elsewhere 32, where a float32
+// GEMM near its peak overtakes the blocks (estimated for Intel and AVX2, not measured).
+// TORCHMHA_INT8_BLOCKED_ROWS sets the limit.
+int64_t quantized_blocked_rows(at::ScalarType dtype) {
+  static const std::optional<int64_t> forced = settings::read_count("TORCHMHA_INT8_BLOCKED_ROWS", "rows of x");
+  static const bool amd_avx512 = cpu_capability() == Capability::kAvx512 && cpu_vendor() == Vendor::kAmd;
+  return forced.value_or(amd_avx512 && dtype != at::kBFloat16 ? 1024 : 32);
+}
 
 // Tasks of at least 64 KiB of weights: below that, waking a thread costs more than it saves.
 int64_t grain_of(int64_t K, int64_t element_size) {
@@ -205,7 +215,7 @@ std::optional<Tensor> quantized_linear(const Tensor& x, const Tensor& weight, co
                                        const OptionalTensor& bias) {
   const int64_t K = x.dim() > 0 ? x.size(-1) : 0;
   const int64_t rows = K > 0 ? x.numel() / K : 0;
-  if (rows <= kernel::kLinearMaxRows || rows > kQuantizedBlockedRows ||
+  if (rows <= kernel::kLinearMaxRows || rows > quantized_blocked_rows(x.scalar_type()) ||
       x.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
     return run(x, weight, scale, bias);
   }

@@ -2,7 +2,7 @@
 (symmetric, a float32 scale per output channel) and quantized_linear, y = (x W_q^T) * scale + b, by the CPU
 kernel for up to 8 rows of x (on AVX512-VNNI, up to 4 rows as exact integers: linear_kernel_vnni.cpp; on
 AVX512-BF16, 5-8 rows of bfloat16 x by bfloat16 dot products: linear_kernel_bf16.cpp), in blocks of 8 rows
-up to 32, and by the dequantizing reference elsewhere."""
+up to a limit (test_settings.py), and by the dequantizing reference elsewhere."""
 
 import pytest
 import torch
@@ -35,8 +35,9 @@ def test_quantize_weight_rounds_each_row_to_its_own_scale(dtype):
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9, 32, 33, 40])
 @pytest.mark.parametrize("K, O, bias", [(64, 40, True), (37, 13, False), (200, 9, True), (512, 2048, True), (1100, 301, True)])
 def test_quantized_linear_is_linear_with_the_dequantized_weight(dtype, rows, K, O, bias):
-    """Kernel rows (1-8: integer digits for 1-4 on VNNI, float beyond), blocks of kernel rows (9, 32)
-    and the reference's (33, 40); K with a tail past whole vectors, and in spans (1100). Against
+    """Kernel rows (1-8: integer digits for 1-4 on VNNI, float beyond), blocks of kernel rows (9, 32;
+    33 and 40 too for float32 and float16 on AMD with AVX-512) and the reference's (33, 40; all
+    past 8 in the test below); K with a tail past whole vectors, and in spans (1100). Against
     float64 on the same int8 weights, within twice the error of F.linear in the dtype with the
     dequantized weight."""
     x = torch.randn(rows, K, dtype=dtype)
@@ -105,6 +106,17 @@ def test_without_vnni_the_float_conversion_computes_the_same():
             "[t.test_float32_error_within_float32_rounding(r, K) for r in (1, 4) for K in (65, 2048)]; "
             "t.test_zero_tiny_huge_and_non_finite_rows()")
     run_python_with(code % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_VNNI": "0"})
+
+
+def test_the_reference_past_the_blocks_computes_the_same():
+    """TORCHMHA_INT8_BLOCKED_ROWS=8: every call past the kernel's 8 rows dequantizes for a GEMM."""
+    from helpers import run_python_with
+    import pathlib
+    code = ("import sys, torch; sys.path.insert(0, %r); import test_quantized_linear as t; "
+            "[t.test_quantized_linear_is_linear_with_the_dequantized_weight(d, r, K, O, b) "
+            "for d in (torch.float32, torch.bfloat16, torch.float16) for r in (9, 33) "
+            "for K, O, b in ((37, 13, False), (512, 2048, True), (1100, 301, True))]")
+    run_python_with(code % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_INT8_BLOCKED_ROWS": "8"})
 
 
 def test_without_avx512_bf16_the_float_loop_computes_bfloat16_rows_the_same():

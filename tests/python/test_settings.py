@@ -36,6 +36,8 @@ TRIGGERS = {
                               "with torch.no_grad(): m(torch.randn(1, 1, 8), m.new_state(1, 2))",
     "TORCHMHA_VNNI": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
                      "torch.ops.torchmha.quantized_linear(torch.randn(1, 8), q, s, None)",
+    "TORCHMHA_INT8_BLOCKED_ROWS": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
+                                  "torch.ops.torchmha.quantized_linear(torch.randn(9, 8), q, s, None)",
     "TORCHMHA_CPU_CAPABILITY": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
     "TORCHMHA_AMX": "x = torch.randn(1, 1, 256, 8, dtype=torch.bfloat16); "
                     "torchmha.MultiheadAttention(8, 1, dtype=torch.bfloat16)(x[0], x[0], x[0], need_weights=False)",
@@ -63,6 +65,7 @@ MALFORMED = [
     ("TORCHMHA_STATIC_KERNEL", "always", SWITCH),
     ("TORCHMHA_SMALL_LINEAR", "off", SWITCH),
     ("TORCHMHA_VNNI", "on", SWITCH),
+    ("TORCHMHA_INT8_BLOCKED_ROWS", "all", COUNT + " (rows of x)"),
     ("TORCHMHA_RESIDUAL_NORM", "fused", SWITCH),
     ("TORCHMHA_AVX512_BF16", "yes", SWITCH),
     ("TORCHMHA_FLOAT32_GEMM", "float", SWITCH),
@@ -290,6 +293,33 @@ assert y.item() == {}, y
     run_python_with(code.format(0.0), set_env={"TORCHMHA_VNNI": "0"})
 
 
+INT8_BLOCKS = PROFILED + """
+q, s = torch.ops.torchmha.quantize_weight(torch.randn(24, 40))
+def blocks(rows, dtype):
+    names, _ = ops(lambda: torch.ops.torchmha.quantized_linear(torch.randn(rows, 40, dtype=dtype), q, s, None))
+    assert ("aten::cat" in names) != ("aten::linear" in names), names
+    return "aten::cat" in names
+"""
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs the AVX2 copy")
+def test_int8_rows_past_the_kernel_go_in_blocks_up_to_the_rule_then_to_the_reference():
+    """Past 8 rows, int8 weights take the kernel in blocks of 8 (joined by a cat) up to a limit and
+    the dequantizing reference (a linear) beyond: 1024 rows for float32 and float16 x on AMD with
+    AVX-512, 32 elsewhere and for bfloat16 (measured: small_linear_kernel.cpp); the setting moves it."""
+    amd_avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512" and next(
+        line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")) == "AuthenticAMD"
+    code = INT8_BLOCKS + f"""
+for dtype in (torch.float32, torch.float16):
+    assert blocks(9, dtype) and blocks(32, dtype) and not blocks(1025, dtype)
+    assert blocks(33, dtype) == blocks(1024, dtype) == {amd_avx512}
+assert blocks(32, torch.bfloat16) and not blocks(33, torch.bfloat16)
+"""
+    run_python_with(code)
+    forced = INT8_BLOCKS + "assert blocks(16, torch.float32) and not blocks(17, torch.float32) and not blocks(17, torch.bfloat16)"
+    run_python_with(forced, set_env={"TORCHMHA_INT8_BLOCKED_ROWS": "16"})
+
+
 # A linear layer on 64 rows (past the small-batch kernel), once in each of the two ways.
 REDUCED_LINEAR = """
 import torch, torch.nn.functional as F, torchmha
@@ -298,17 +328,29 @@ x, w, b = (torch.randn(*shape, dtype=torch.{dtype}) for shape in ((64, {K}), (80
 ours = torch.ops.torchmha.small_linear(x, w, b)
 in_float32, torch_own = F.linear(x.float(), w.float(), b.float()).to(x.dtype), F.linear(x, w, b)
 """
+# int8 weights past the kernel's blocks: the reference dequantizes to x's dtype, then the same rule.
+REDUCED_INT8_LINEAR = REDUCED_LINEAR + """
+q, scale = torch.ops.torchmha.quantize_weight(w)
+w = (q.float() * scale[:, None]).to(x.dtype)
+ours = torch.ops.torchmha.quantized_linear(x, q, scale, b)
+in_float32, torch_own = F.linear(x.float(), w.float(), b.float()).to(x.dtype), F.linear(x, w, b)
+"""
 
 
 def test_float32_gemm_setting_moves_reduced_precision_linears():
     """TORCHMHA_FLOAT32_GEMM=1: float16 linears computed in float32 and rounded once; 0: torch's own;
-    unset, TORCHMHA_AVX512_FP16=1 (a CPU with AVX512-FP16): torch's own."""
+    unset, TORCHMHA_AVX512_FP16=1 (a CPU with AVX512-FP16): torch's own. The same for int8 weights'
+    dequantizing reference."""
     check = REDUCED_LINEAR.format(dtype="float16", K=96) + "assert not torch.equal(in_float32, torch_own)\n"
     run_python_with(check + "assert torch.equal(ours, in_float32)", set_env={"TORCHMHA_FLOAT32_GEMM": "1"})
     run_python_with(check + "assert torch.equal(ours, torch_own)", set_env={"TORCHMHA_FLOAT32_GEMM": "0"})
     # unforced, the float16 answer reads cpu_has_avx512_fp16 (and so its setting): torch's own GEMM
     run_python_with(check + "assert torch.equal(ours, torch_own)", set_env={"TORCHMHA_AVX512_FP16": "1"},
                     unset=("TORCHMHA_FLOAT32_GEMM",))
+    int8 = REDUCED_INT8_LINEAR.format(dtype="float16", K=96) + "assert not torch.equal(in_float32, torch_own)\n"
+    rows = {"TORCHMHA_INT8_BLOCKED_ROWS": "8"}  # (the 64 rows past the blocks)
+    run_python_with(int8 + "assert torch.equal(ours, in_float32)", set_env={**rows, "TORCHMHA_FLOAT32_GEMM": "1"})
+    run_python_with(int8 + "assert torch.equal(ours, torch_own)", set_env={**rows, "TORCHMHA_FLOAT32_GEMM": "0"})
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
