@@ -60,7 +60,7 @@ Tensor linear_layer(const Tensor& x, const Tensor& weight, const OptionalTensor&
   // (symbolic shapes, under torch.compile(dynamic=True): the op is for a step's fixed few rows)
   if (!x.device().is_cpu() || needs_grad(x, weight, bias) || x.dim() == 0 ||
       x.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || x.size(-1) == 0 || x.numel() == 0 ||
-      !cpu::small_linear_serves(x.numel() / x.size(-1))) {
+      !cpu::small_linear_serves(x, weight)) {
     return gemm_linear(x, weight, bias);
   }
   static auto op = find_op<Tensor(const Tensor&, const Tensor&, const OptionalTensor&)>("torchmha::small_linear");

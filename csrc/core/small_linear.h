@@ -13,7 +13,8 @@
 namespace torchmha::core {
 
 /// at::linear, through the small-batch op where it applies: inference (no gradient needed) with at
-/// most kernel::kLinearMaxRows rows of x, float32/bfloat16/float16 on the CPU.
+/// most kernel::kLinearMaxRows rows of x, or more in blocks of those where the CPU kernel's rule
+/// says they beat the GEMM (cpu::small_linear_serves), float32/bfloat16/float16 on the CPU.
 /// TORCHMHA_SMALL_LINEAR=0 keeps at::linear everywhere. With a `scale`, the weight is int8
 /// (quantize_weight's) and the layer is the op torchmha::quantized_linear.
 Tensor linear_layer(const Tensor& x, const Tensor& weight, const OptionalTensor& bias,

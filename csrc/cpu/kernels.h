@@ -79,8 +79,9 @@ bool static_kernel_pays_off(int64_t T, int64_t S);
 // ---------------------------------------------------------------- linear layers of a few rows
 // (small_linear_kernel.cpp: each weight row read once, at the read rate)
 
-/// Whether the kernel may take `rows` rows of x: at most its limit, unless TORCHMHA_SMALL_LINEAR=0.
-bool small_linear_serves(int64_t rows);
+/// Whether the kernel may take x's rows against `weight`: at most its limit, or in blocks of that up
+/// to the rule's (blocked_rows), unless TORCHMHA_SMALL_LINEAR=0.
+bool small_linear_serves(const Tensor& x, const Tensor& weight);
 /// y = x W^T + b, as the op torchmha::small_linear (float32/bfloat16/float16).
 std::optional<Tensor> small_linear(const Tensor& x, const Tensor& weight, const OptionalTensor& bias);
 /// y = (x W^T) * scale + b with W int8 (O, K) and scale (O,) float32, as the op

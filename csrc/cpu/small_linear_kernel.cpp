@@ -49,18 +49,29 @@ bool kernel_applies(const Tensor& x, const Tensor& weight, const OptionalTensor&
       (!is_present(bias) || per_row(*bias, dtype));
 }
 
-// Rows of x up to which int8 weights go through the kernel in blocks of kLinearMaxRows (a pass over
-// the int8 weights each) rather than being dequantized for a GEMM (docs/kernel_rules.md). On AMD
-// with AVX-512, float32 and float16 x: the blocks ran at 202-229 GFLOP/s from 16 to 1024 rows,
-// against 88-195 for the dequantized float32 GEMM (MKL's reaches about a third of the FMA peak
-// there; Zen 5, 2 threads). bfloat16 x keeps 32: its GEMM (oneDNN on AVX512-BF16) overtook the
-// blocks between 32 and 64 rows (549 against 326 GFLOP/s at 128). Elsewhere 32, where a float32
-// GEMM near its peak overtakes the blocks (estimated for Intel and AVX2, not measured).
-// TORCHMHA_INT8_BLOCKED_ROWS sets the limit.
-int64_t quantized_blocked_rows(at::ScalarType dtype) {
-  static const std::optional<int64_t> forced = settings::read_count("TORCHMHA_INT8_BLOCKED_ROWS", "rows of x");
+// Rows of x up to which the kernel takes a call in blocks of kLinearMaxRows (a pass over the weights
+// each) rather than leaving it to a GEMM (docs/kernel_rules.md). Measured on AMD with AVX-512 (Zen
+// 5, 2 threads, alternated in one process), float32 and float16 x, where MKL's float32 GEMM reaches
+// about a third of the FMA peak:
+// - int8 weights, against dequantizing for a GEMM: 202-225 GFLOP/s from 16 to 1024 rows against
+//   88-195, so up to 1024 rows;
+// - float32 and float16 weights of at least 2^18 elements, against ATen's GEMM: 1.2-1.8x faster at
+//   16-64 rows on 512x512 to 2048x512 matrices, 1.04-1.09x at 128-256, so up to 64 rows. Smaller
+//   weights lost (768x256 0.73x at 64 rows: the blocks' calls cost more than the GEMM).
+// bfloat16 x keeps 32 int8 rows and no float blocks: its GEMM (oneDNN on AVX512-BF16) overtook the
+// blocks between 32 and 64 rows (549 against 326 GFLOP/s at 128). Every other CPU too, where a
+// float32 GEMM near its peak overtakes the blocks (an estimate for Intel and AVX2, not measured).
+// TORCHMHA_LINEAR_BLOCKED_ROWS=R sets the limit for every weight.
+int64_t blocked_rows(const Tensor& x, const Tensor& weight, bool quantized) {
+  static const std::optional<int64_t> forced = settings::read_count("TORCHMHA_LINEAR_BLOCKED_ROWS", "rows of x");
   static const bool amd_avx512 = cpu_capability() == Capability::kAvx512 && cpu_vendor() == Vendor::kAmd;
-  return forced.value_or(amd_avx512 && dtype != at::kBFloat16 ? 1024 : 32);
+  if (forced.has_value()) {
+    return *forced;
+  }
+  if (!amd_avx512 || x.scalar_type() == at::kBFloat16) {
+    return quantized ? 32 : 0;
+  }
+  return quantized ? 1024 : weight.numel() >= (int64_t(1) << 18) ? 64 : 0;
 }
 
 // Tasks of at least 64 KiB of weights: below that, waking a thread costs more than it saves.
@@ -201,26 +212,15 @@ std::optional<Tensor> run(const Tensor& x, const Tensor& weight, const OptionalT
   return done ? std::optional<Tensor>(y) : std::nullopt;
 }
 
-}  // namespace
-
-bool small_linear_serves(int64_t rows) {
-  return enabled() && rows <= kernel::kLinearMaxRows;
-}
-
-std::optional<Tensor> small_linear(const Tensor& x, const Tensor& weight, const OptionalTensor& bias) {
-  return run(x, weight, std::nullopt, bias);
-}
-
-std::optional<Tensor> quantized_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
-                                       const OptionalTensor& bias) {
+// run, on up to kLinearMaxRows rows at once, or on blocks of them up to blocked_rows.
+std::optional<Tensor> run_rows(const Tensor& x, const Tensor& weight, const OptionalTensor& scale,
+                               const OptionalTensor& bias) {
   const int64_t K = x.dim() > 0 ? x.size(-1) : 0;
   const int64_t rows = K > 0 ? x.numel() / K : 0;
-  if (rows <= kernel::kLinearMaxRows || rows > quantized_blocked_rows(x.scalar_type()) ||
+  if (rows <= kernel::kLinearMaxRows || rows > blocked_rows(x, weight, is_present(scale)) ||
       x.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
     return run(x, weight, scale, bias);
   }
-  // A short prompt: the kernel on blocks of rows, a pass over the int8 weights each, instead of
-  // dequantizing every weight to float for one GEMM (docs/kernel_rules.md).
   const Tensor flat = x.reshape({rows, K});
   std::vector<Tensor> blocks;
   for (int64_t row = 0; row < rows; row += kernel::kLinearMaxRows) {
@@ -233,6 +233,22 @@ std::optional<Tensor> quantized_linear(const Tensor& x, const Tensor& weight, co
   auto sizes = x.sizes().vec();
   sizes.back() = weight.size(0);
   return at::cat(blocks).view(sizes);
+}
+
+}  // namespace
+
+bool small_linear_serves(const Tensor& x, const Tensor& weight) {
+  const int64_t rows = x.numel() / x.size(-1);
+  return enabled() && (rows <= kernel::kLinearMaxRows || rows <= blocked_rows(x, weight, /*quantized=*/false));
+}
+
+std::optional<Tensor> small_linear(const Tensor& x, const Tensor& weight, const OptionalTensor& bias) {
+  return run_rows(x, weight, std::nullopt, bias);
+}
+
+std::optional<Tensor> quantized_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
+                                       const OptionalTensor& bias) {
+  return run_rows(x, weight, scale, bias);
 }
 
 }  // namespace torchmha::cpu

@@ -109,14 +109,14 @@ def test_without_vnni_the_float_conversion_computes_the_same():
 
 
 def test_the_reference_past_the_blocks_computes_the_same():
-    """TORCHMHA_INT8_BLOCKED_ROWS=8: every call past the kernel's 8 rows dequantizes for a GEMM."""
+    """TORCHMHA_LINEAR_BLOCKED_ROWS=8: every call past the kernel's 8 rows dequantizes for a GEMM."""
     from helpers import run_python_with
     import pathlib
     code = ("import sys, torch; sys.path.insert(0, %r); import test_quantized_linear as t; "
             "[t.test_quantized_linear_is_linear_with_the_dequantized_weight(d, r, K, O, b) "
             "for d in (torch.float32, torch.bfloat16, torch.float16) for r in (9, 33) "
             "for K, O, b in ((37, 13, False), (512, 2048, True), (1100, 301, True))]")
-    run_python_with(code % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_INT8_BLOCKED_ROWS": "8"})
+    run_python_with(code % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_LINEAR_BLOCKED_ROWS": "8"})
 
 
 def test_without_avx512_bf16_the_float_loop_computes_bfloat16_rows_the_same():

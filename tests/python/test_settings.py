@@ -36,8 +36,7 @@ TRIGGERS = {
                               "with torch.no_grad(): m(torch.randn(1, 1, 8), m.new_state(1, 2))",
     "TORCHMHA_VNNI": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
                      "torch.ops.torchmha.quantized_linear(torch.randn(1, 8), q, s, None)",
-    "TORCHMHA_INT8_BLOCKED_ROWS": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
-                                  "torch.ops.torchmha.quantized_linear(torch.randn(9, 8), q, s, None)",
+    "TORCHMHA_LINEAR_BLOCKED_ROWS": "torch.ops.torchmha.small_linear(torch.randn(9, 8), torch.randn(4, 8), None)",
     "TORCHMHA_CPU_CAPABILITY": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
     "TORCHMHA_AMX": "x = torch.randn(1, 1, 256, 8, dtype=torch.bfloat16); "
                     "torchmha.MultiheadAttention(8, 1, dtype=torch.bfloat16)(x[0], x[0], x[0], need_weights=False)",
@@ -65,7 +64,7 @@ MALFORMED = [
     ("TORCHMHA_STATIC_KERNEL", "always", SWITCH),
     ("TORCHMHA_SMALL_LINEAR", "off", SWITCH),
     ("TORCHMHA_VNNI", "on", SWITCH),
-    ("TORCHMHA_INT8_BLOCKED_ROWS", "all", COUNT + " (rows of x)"),
+    ("TORCHMHA_LINEAR_BLOCKED_ROWS", "all", COUNT + " (rows of x)"),
     ("TORCHMHA_RESIDUAL_NORM", "fused", SWITCH),
     ("TORCHMHA_AVX512_BF16", "yes", SWITCH),
     ("TORCHMHA_FLOAT32_GEMM", "float", SWITCH),
@@ -293,38 +292,50 @@ assert y.item() == {}, y
     run_python_with(code.format(0.0), set_env={"TORCHMHA_VNNI": "0"})
 
 
-INT8_BLOCKS = PROFILED + """
-q, s = torch.ops.torchmha.quantize_weight(torch.randn(24, 40))
-def blocks(rows, dtype):
-    names, _ = ops(lambda: torch.ops.torchmha.quantized_linear(torch.randn(rows, 40, dtype=dtype), q, s, None))
+LINEAR_BLOCKS = PROFILED + """
+def blocks(rows, dtype, O=24, K=40, int8=True):
+    w = torch.randn(O, K)
+    x = torch.randn(rows, K, dtype=dtype)
+    if int8:
+        q, s = torch.ops.torchmha.quantize_weight(w)
+        call = lambda: torch.ops.torchmha.quantized_linear(x, q, s, None)
+    else:
+        call = lambda: torch.ops.torchmha.small_linear(x, w.to(dtype), None)
+    names, _ = ops(call)
     assert ("aten::cat" in names) != ("aten::linear" in names), names
     return "aten::cat" in names
 """
 
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs the AVX2 copy")
-def test_int8_rows_past_the_kernel_go_in_blocks_up_to_the_rule_then_to_the_reference():
-    """Past 8 rows, int8 weights take the kernel in blocks of 8 (joined by a cat) up to a limit and
-    the dequantizing reference (a linear) beyond: 1024 rows for float32 and float16 x on AMD with
-    AVX-512, 32 elsewhere and for bfloat16 (measured: small_linear_kernel.cpp); the setting moves it."""
+def test_rows_past_the_kernel_go_in_blocks_up_to_the_rule_then_to_a_gemm():
+    """Past 8 rows, the kernel takes a call in blocks of 8 (joined by a cat) up to a limit, and a
+    GEMM (a linear) takes it beyond. On AMD with AVX-512, for float32 and float16 x: int8 weights
+    up to 1024 rows, float weights of at least 2^18 elements up to 64; elsewhere and for bfloat16,
+    32 int8 rows and no float blocks (measured: small_linear_kernel.cpp). The setting moves it."""
     amd_avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512" and next(
         line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")) == "AuthenticAMD"
-    code = INT8_BLOCKS + f"""
+    code = LINEAR_BLOCKS + f"""
 for dtype in (torch.float32, torch.float16):
     assert blocks(9, dtype) and blocks(32, dtype) and not blocks(1025, dtype)
     assert blocks(33, dtype) == blocks(1024, dtype) == {amd_avx512}
-assert blocks(32, torch.bfloat16) and not blocks(33, torch.bfloat16)
+    assert blocks(9, dtype, 512, 512, False) == blocks(64, dtype, 512, 512, False) == {amd_avx512}
+    assert not blocks(65, dtype, 512, 512, False) and not blocks(9, dtype, 511, 512, False)
+assert blocks(32, torch.bfloat16) and not blocks(33, torch.bfloat16) and not blocks(9, torch.bfloat16, 512, 512, False)
 """
     run_python_with(code)
-    forced = INT8_BLOCKS + "assert blocks(16, torch.float32) and not blocks(17, torch.float32) and not blocks(17, torch.bfloat16)"
-    run_python_with(forced, set_env={"TORCHMHA_INT8_BLOCKED_ROWS": "16"})
+    forced = LINEAR_BLOCKS + \
+        "assert blocks(16, torch.float32) and not blocks(17, torch.float32) and not blocks(17, torch.bfloat16)\n" \
+        "assert blocks(16, torch.bfloat16, int8=False) and not blocks(17, torch.float32, int8=False)"
+    run_python_with(forced, set_env={"TORCHMHA_LINEAR_BLOCKED_ROWS": "16"})
 
 
-# A linear layer on 64 rows (past the small-batch kernel), once in each of the two ways.
+# A linear layer on 64 rows (past the small-batch kernel; a weight under the 2^18 elements of its
+# blocks), once in each of the two ways.
 REDUCED_LINEAR = """
 import torch, torch.nn.functional as F, torchmha
 torch.manual_seed(0)
-x, w, b = (torch.randn(*shape, dtype=torch.{dtype}) for shape in ((64, {K}), (80, {K}), (80,)))
+x, w, b = (torch.randn(*shape, dtype=torch.{dtype}) for shape in ((64, {K}), ({O}, {K}), ({O},)))
 ours = torch.ops.torchmha.small_linear(x, w, b)
 in_float32, torch_own = F.linear(x.float(), w.float(), b.float()).to(x.dtype), F.linear(x, w, b)
 """
@@ -341,14 +352,14 @@ def test_float32_gemm_setting_moves_reduced_precision_linears():
     """TORCHMHA_FLOAT32_GEMM=1: float16 linears computed in float32 and rounded once; 0: torch's own;
     unset, TORCHMHA_AVX512_FP16=1 (a CPU with AVX512-FP16): torch's own. The same for int8 weights'
     dequantizing reference."""
-    check = REDUCED_LINEAR.format(dtype="float16", K=96) + "assert not torch.equal(in_float32, torch_own)\n"
+    check = REDUCED_LINEAR.format(dtype="float16", O=80, K=96) + "assert not torch.equal(in_float32, torch_own)\n"
     run_python_with(check + "assert torch.equal(ours, in_float32)", set_env={"TORCHMHA_FLOAT32_GEMM": "1"})
     run_python_with(check + "assert torch.equal(ours, torch_own)", set_env={"TORCHMHA_FLOAT32_GEMM": "0"})
     # unforced, the float16 answer reads cpu_has_avx512_fp16 (and so its setting): torch's own GEMM
     run_python_with(check + "assert torch.equal(ours, torch_own)", set_env={"TORCHMHA_AVX512_FP16": "1"},
                     unset=("TORCHMHA_FLOAT32_GEMM",))
-    int8 = REDUCED_INT8_LINEAR.format(dtype="float16", K=96) + "assert not torch.equal(in_float32, torch_own)\n"
-    rows = {"TORCHMHA_INT8_BLOCKED_ROWS": "8"}  # (the 64 rows past the blocks)
+    int8 = REDUCED_INT8_LINEAR.format(dtype="float16", O=80, K=96) + "assert not torch.equal(in_float32, torch_own)\n"
+    rows = {"TORCHMHA_LINEAR_BLOCKED_ROWS": "8"}  # (the 64 rows past the blocks)
     run_python_with(int8 + "assert torch.equal(ours, in_float32)", set_env={**rows, "TORCHMHA_FLOAT32_GEMM": "1"})
     run_python_with(int8 + "assert torch.equal(ours, torch_own)", set_env={**rows, "TORCHMHA_FLOAT32_GEMM": "0"})
 
@@ -361,7 +372,7 @@ def test_reduced_precision_rule_reads_the_cpu(dtype):
     fast = ({"avx512bw", "avx512vl", "avx512dq"} <= flags if dtype == "bfloat16"
             else bool({"avx512_fp16", "amx_fp16"} & flags))
     scope = {}
-    exec(REDUCED_LINEAR.format(dtype=dtype, K=8192), scope)
+    exec(REDUCED_LINEAR.format(dtype=dtype, O=80, K=3200), scope)
     if torch.equal(scope["in_float32"], scope["torch_own"]):
         pytest.skip("torch's GEMM and float32's round alike here: the two ways cannot be told apart")
     assert torch.equal(scope["ours"], scope["torch_own"] if fast else scope["in_float32"])
