@@ -194,14 +194,13 @@ bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& sca
   return true;
 }
 
-std::optional<Tensor> run(const Tensor& x, const Tensor& weight, const OptionalTensor& scale,
-                          const OptionalTensor& bias) {
+// The kernel into y (x's rows by the weight's, contiguous); false, with y unspecified, where it
+// does not take the call.
+bool run_into(const Tensor& x, const Tensor& weight, const OptionalTensor& scale, const OptionalTensor& bias,
+              const Tensor& y) {
   if (!kernel_applies(x, weight, scale, bias)) {
-    return std::nullopt;
+    return false;
   }
-  auto sizes = x.sizes().vec();
-  sizes.back() = weight.size(0);
-  Tensor y = at::empty(sizes, x.options());
   bool done = false;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "small_linear_cpu", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {
@@ -209,30 +208,36 @@ std::optional<Tensor> run(const Tensor& x, const Tensor& weight, const OptionalT
                                : run_kernel<scalar_t, scalar_t>(x, weight, scale, bias, y);
     }
   });
-  return done ? std::optional<Tensor>(y) : std::nullopt;
+  return done;
 }
 
-// run, on up to kLinearMaxRows rows at once, or on blocks of them up to blocked_rows.
-std::optional<Tensor> run_rows(const Tensor& x, const Tensor& weight, const OptionalTensor& scale,
-                               const OptionalTensor& bias) {
+// The kernel on up to kLinearMaxRows rows of x at once, or on blocks of that many up to
+// blocked_rows, each written into its rows of the output.
+std::optional<Tensor> run(const Tensor& x, const Tensor& weight, const OptionalTensor& scale,
+                          const OptionalTensor& bias) {
   const int64_t K = x.dim() > 0 ? x.size(-1) : 0;
   const int64_t rows = K > 0 ? x.numel() / K : 0;
-  if (rows <= kernel::kLinearMaxRows || rows > blocked_rows(x, weight, is_present(scale)) ||
-      x.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
-    return run(x, weight, scale, bias);
-  }
-  const Tensor flat = x.reshape({rows, K});
-  std::vector<Tensor> blocks;
-  for (int64_t row = 0; row < rows; row += kernel::kLinearMaxRows) {
-    auto block = run(flat.narrow(0, row, std::min(kernel::kLinearMaxRows, rows - row)), weight, scale, bias);
-    if (!block) {
-      return std::nullopt;
-    }
-    blocks.push_back(*std::move(block));
+  const bool blocks = rows > kernel::kLinearMaxRows && rows <= blocked_rows(x, weight, is_present(scale)) &&
+      !x.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
+  const Tensor flat = blocks ? x.reshape({rows, K}) : x;
+  // (the first block's check stands for every block's, before the output's shape is read)
+  if (!kernel_applies(blocks ? flat.narrow(0, 0, kernel::kLinearMaxRows) : x, weight, scale, bias)) {
+    return std::nullopt;
   }
   auto sizes = x.sizes().vec();
   sizes.back() = weight.size(0);
-  return at::cat(blocks).view(sizes);
+  Tensor y = at::empty(sizes, x.options());
+  if (!blocks) {
+    return run_into(x, weight, scale, bias, y) ? std::optional<Tensor>(y) : std::nullopt;
+  }
+  const Tensor out = y.view({rows, weight.size(0)});
+  for (int64_t row = 0; row < rows; row += kernel::kLinearMaxRows) {
+    const int64_t n = std::min(kernel::kLinearMaxRows, rows - row);
+    if (!run_into(flat.narrow(0, row, n), weight, scale, bias, out.narrow(0, row, n))) {
+      return std::nullopt;
+    }
+  }
+  return y;
 }
 
 }  // namespace
@@ -243,12 +248,12 @@ bool small_linear_serves(const Tensor& x, const Tensor& weight) {
 }
 
 std::optional<Tensor> small_linear(const Tensor& x, const Tensor& weight, const OptionalTensor& bias) {
-  return run_rows(x, weight, std::nullopt, bias);
+  return run(x, weight, std::nullopt, bias);
 }
 
 std::optional<Tensor> quantized_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
                                        const OptionalTensor& bias) {
-  return run_rows(x, weight, scale, bias);
+  return run(x, weight, scale, bias);
 }
 
 }  // namespace torchmha::cpu

@@ -302,14 +302,14 @@ def blocks(rows, dtype, O=24, K=40, int8=True):
     else:
         call = lambda: torch.ops.torchmha.small_linear(x, w.to(dtype), None)
     names, _ = ops(call)
-    assert ("aten::cat" in names) != ("aten::linear" in names), names
-    return "aten::cat" in names
+    assert ("aten::narrow" in names) != ("aten::linear" in names), names  # blocks narrow x and y
+    return "aten::narrow" in names
 """
 
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs the AVX2 copy")
 def test_rows_past_the_kernel_go_in_blocks_up_to_the_rule_then_to_a_gemm():
-    """Past 8 rows, the kernel takes a call in blocks of 8 (joined by a cat) up to a limit, and a
+    """Past 8 rows, the kernel takes a call in blocks of 8 (narrowed views of x and y) up to a limit, and a
     GEMM (a linear) takes it beyond. On AMD with AVX-512, for float32 and float16 x: int8 weights
     up to 1024 rows, float weights of at least 2^18 elements up to 64; elsewhere and for bfloat16,
     32 int8 rows and no float blocks (measured: small_linear_kernel.cpp). The setting moves it."""
