@@ -194,13 +194,10 @@ bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& sca
   return true;
 }
 
-// The kernel into y (x's rows by the weight's, contiguous); false, with y unspecified, where it
-// does not take the call.
+// The kernel into y (x's rows by the weight's, contiguous), where kernel_applies holds; false,
+// with y unspecified, where the kernel hands the call back (int8 sums that could overflow).
 bool run_into(const Tensor& x, const Tensor& weight, const OptionalTensor& scale, const OptionalTensor& bias,
               const Tensor& y) {
-  if (!kernel_applies(x, weight, scale, bias)) {
-    return false;
-  }
   bool done = false;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "small_linear_cpu", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {
@@ -220,7 +217,8 @@ std::optional<Tensor> run(const Tensor& x, const Tensor& weight, const OptionalT
   const bool blocks = rows > kernel::kLinearMaxRows && rows <= blocked_rows(x, weight, is_present(scale)) &&
       !x.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
   const Tensor flat = blocks ? x.reshape({rows, K}) : x;
-  // (the first block's check stands for every block's, before the output's shape is read)
+  // (the first block's check stands for every block's: they differ only in their 1-8 rows; it
+  // comes before the output's shape is read from the weight)
   if (!kernel_applies(blocks ? flat.narrow(0, 0, kernel::kLinearMaxRows) : x, weight, scale, bias)) {
     return std::nullopt;
   }

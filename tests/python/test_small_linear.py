@@ -1,5 +1,6 @@
 """The small-batch linear op (csrc/core/small_linear.cpp, csrc/cpu/small_linear_kernel.cpp): a decoding step's
-linear layers, y = x W^T + b for at most 8 rows of x, by torchmha's CPU kernel."""
+linear layers, y = x W^T + b for at most 8 rows of x (more in blocks of 8 where its rule says), by
+torchmha's CPU kernel."""
 
 import pytest
 import torch
@@ -89,6 +90,29 @@ def test_setting_keeps_aten():
             "s, a = t.linear_ops_in_a_step(False); assert s == 0 and a == 2, (s, a)")
     import pathlib
     run_python_with(code % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_SMALL_LINEAR": "0"})
+
+
+def test_blocks_of_rows_compute_the_same_and_refuse_what_linear_refuses():
+    """TORCHMHA_LINEAR_BLOCKED_ROWS=1024 (on any CPU with the kernel): rows past 8 in blocks of 8,
+    the last one short (9, 17, 63), batched and not contiguous (60 rows), each block written into
+    its own rows of the output; bad input past 8 rows still gets F.linear's answer or error."""
+    code = """
+import re, sys, pytest, torch, torch.nn.functional as F; sys.path.insert(0, %r); import test_small_linear as t
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for rows in (9, 17, 63):
+        t.test_small_linear_matches_linear(dtype, rows, 512, 96, True)
+x, w = torch.randn(20, 3, 32).transpose(0, 1), torch.randn(48, 32)
+torch.testing.assert_close(t.op(x, w, None), F.linear(x, w), atol=1e-5, rtol=0)
+x, vector = torch.randn(20, 8), torch.randn(8)
+torch.testing.assert_close(t.op(x, vector, None), F.linear(x, vector))
+for bad in (torch.randn(4, 7), torch.randn(4, 8, 2)):
+    with pytest.raises(RuntimeError) as theirs:
+        F.linear(x, bad)
+    with pytest.raises(type(theirs.value), match=re.escape(str(theirs.value))):
+        t.op(x, bad, None)
+"""
+    import pathlib
+    run_python_with(code % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_LINEAR_BLOCKED_ROWS": "1024"})
 
 
 def test_more_rows_than_the_kernel_takes_are_aten():
