@@ -4,6 +4,9 @@
 // only by linear_kernel_avx2.cpp and linear_kernel_avx512.cpp, which define TORCHMHA_KERNEL_ISA.
 
 #include "linear_kernel.h"
+#ifdef CPU_CAPABILITY_AVX512
+#include "lane_sums.h"
+#endif
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -21,6 +24,13 @@ namespace torchmha::cpu::kernel::TORCHMHA_KERNEL_ISA {
 namespace {
 
 using V = at::vec::Vectorized<float>;
+// V's own register, for arrays: V's default constructor zeroes, and GCC kept those arrays' zeroing
+// (rep stos on the stack, then loads back: 11% of an 8-row call on 2048x512 float32 weights).
+#ifdef CPU_CAPABILITY_AVX512
+using Register = __m512;
+#else
+using Register = __m256;
+#endif
 
 template <typename scalar_t>
 inline V load_float(const scalar_t* p) {
@@ -38,6 +48,30 @@ inline V load_float(const scalar_t* p) {
     at::vec::load_to_float(p, out);
     return out;
   }
+}
+
+// v, pinned to a register where it is computed: without this, GCC read each vector of weights again
+// from memory for every row of x it multiplied (at 3 rows, 4 loads of weights where 2 do).
+inline V in_register(V v) {
+#if defined(__GNUC__)
+  Register r = v;
+  asm("" : "+v"(r));
+  return r;
+#else
+  return v;
+#endif
+}
+
+// The sums of N vectors' lanes into out[0, N): on AVX-512 from 8 vectors on, in one tree
+// (lane_sums.h).
+template <int N>
+inline void reduce_each(const Register* v, float* out) {
+#ifdef CPU_CAPABILITY_AVX512
+  if constexpr (N >= 8) {
+    return lane_sums<N>(v, out);
+  }
+#endif
+  for (int i = 0; i < N; ++i) out[i] = at::vec::vec_reduce_all<float>([](V a, V b) { return a + b; }, V(v[i]));
 }
 
 // Accumulators a feature may hold in registers: half of them (8 of AVX2's 16, 16 of AVX-512's 32).
@@ -60,6 +94,41 @@ struct KSpan {
 };
 constexpr int64_t kFeatureBlock = 256;
 
+// Features [o, o + F)'s sums over K's vectors up to column k, sums[f * M + m], into y: with the
+// columns past the last whole vector, the sums carried between K's spans, the scale and the bias.
+// (each step a loop of its own, tested once: one loop testing each for every sum was 12% of an
+// 8-row call on 512x512 weights)
+template <typename scalar_t, typename weight_t, int M, int F>
+C10_ALWAYS_INLINE void finish(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan& span, int64_t k,
+                              float* sums) {
+  const weight_t* w = p.w + o * p.w_stride;
+  for (int64_t j = k; j < span.end; ++j) {
+    for (int i = 0; i < F * M; ++i) sums[i] += float(w[i / M * p.w_stride + j]) * p.x[i % M * p.K + j];
+  }
+  if (span.carried != nullptr) {
+    for (int i = 0; i < F * M; ++i) {
+      float& carried = span.carried[i % M * kFeatureBlock + o + i / M - span.block];
+      sums[i] += span.begin == 0 ? 0.0f : carried;
+      carried = sums[i];
+    }
+    if (span.end < p.K) {
+      return;
+    }
+  }
+  for (int f = 0; f < F; ++f) {
+    scalar_t* y = p.y + o + f;
+    if constexpr (std::is_same_v<weight_t, int8_t>) {
+      for (int m = 0; m < M; ++m) sums[f * M + m] *= p.scale[o + f];
+    }
+    if (p.bias != nullptr) {
+      const float bias = float(p.bias[o + f]);
+      for (int m = 0; m < M; ++m) y[m * p.O] = scalar_t(sums[f * M + m] + bias);
+    } else {
+      for (int m = 0; m < M; ++m) y[m * p.O] = scalar_t(sums[f * M + m]);
+    }
+  }
+}
+
 // Output features [o, o + F) for all M rows: each weight row is read once, front to back, and each
 // vector of it used M times. U vectors of the row at a time, each with its own accumulators, so that
 // the FMA chains do not wait on each other and many loads are in flight (one row: U = 16 on
@@ -77,21 +146,17 @@ void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan
   // (an address, not a pointer into the weights: it may lie past their end)
   const char* ahead = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(w) +
                                                     kPrefetchRows * p.w_stride * sizeof(weight_t));
-  V acc[F][M][U];
-  for (int f = 0; f < F; ++f) {
-    for (int m = 0; m < M; ++m) {
-      for (int u = 0; u < U; ++u) acc[f][m][u] = V(0);
-    }
-  }
+  Register acc[F][M][U];
+  c10::ForcedUnroll<F * M * U>{}([&](auto i) { acc[i / (M * U)][i / U % M][i % U] = V(0); });
   const auto block = [&](int64_t k, int u) {
     V weights[F];
     for (int f = 0; f < F; ++f) {
       _mm_prefetch(ahead + (f * p.w_stride + k) * sizeof(weight_t), _MM_HINT_T0);
-      weights[f] = load_float(w + f * p.w_stride + k);
+      weights[f] = in_register(load_float(w + f * p.w_stride + k));
     }
     for (int m = 0; m < M; ++m) {
       const V x = V::loadu(p.x + m * p.K + k);
-      for (int f = 0; f < F; ++f) acc[f][m][u] = at::vec::fmadd(weights[f], x, acc[f][m][u]);
+      for (int f = 0; f < F; ++f) acc[f][m][u] = at::vec::fmadd(weights[f], x, V(acc[f][m][u]));
     }
   };
   int64_t k = span.begin;
@@ -102,31 +167,17 @@ void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan
     c10::ForcedUnroll<U>{}([&](auto u) { block(k + u * S, u); });
   }
   for (; k + S <= span.end; k += S) block(k, 0);
-  for (int f = 0; f < F; ++f) {
-    for (int m = 0; m < M; ++m) {
-      V total = acc[f][m][0];
-      for (int u = 1; u < U; ++u) total = total + acc[f][m][u];
-      float sum = at::vec::vec_reduce_all<float>([](V a, V b) { return a + b; }, total);
-      for (int64_t j = k; j < span.end; ++j) {
-        sum += float(w[f * p.w_stride + j]) * p.x[m * p.K + j];
-      }
-      if (span.carried != nullptr) {
-        float& carried = span.carried[m * kFeatureBlock + o + f - span.block];
-        sum += span.begin == 0 ? 0.0f : carried;
-        if (span.end < p.K) {
-          carried = sum;
-          continue;
-        }
-      }
-      if constexpr (std::is_same_v<weight_t, int8_t>) {
-        sum *= p.scale[o + f];
-      }
-      if (p.bias != nullptr) {
-        sum += float(p.bias[o + f]);
-      }
-      p.y[m * p.O + o + f] = scalar_t(sum);
+  Register totals[F * M];
+  c10::ForcedUnroll<F * M>{}([&](auto i) {
+    V total = acc[i / M][i % M][0];
+    if constexpr (U > 1) {
+      c10::ForcedUnroll<U - 1>{}([&](auto u) { total = total + V(acc[i / M][i % M][u + 1]); });
     }
-  }
+    totals[i] = total;
+  });
+  float sums[F * M];
+  reduce_each<F * M>(totals, sums);
+  finish<scalar_t, weight_t, M, F>(p, o, span, k, sums);
 }
 
 // Features two at a time from 3 rows of x, for float32 and int8 weights on AVX-512. Measured with
