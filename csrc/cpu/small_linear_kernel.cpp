@@ -52,16 +52,18 @@ bool kernel_applies(const Tensor& x, const Tensor& weight, const OptionalTensor&
 // Rows of x up to which the kernel takes a call in blocks of kLinearMaxRows (a pass over the weights
 // each) rather than leaving it to a GEMM (docs/kernel_rules.md). Measured on AMD with AVX-512 (Zen
 // 5, 2 threads, alternated in one process), float32 and float16 x, where MKL's float32 GEMM reaches
-// about a third of the FMA peak:
+// about 40% of the FMA peak, over a decoding step's 36 weights (512x512 to 2048x512):
 // - int8 weights, against dequantizing for a GEMM: 202-225 GFLOP/s from 16 to 1024 rows against
-//   88-195, so up to 1024 rows;
-// - float32 and float16 weights of at least 2^18 elements, against ATen's GEMM: 1.2-1.8x faster at
-//   16-64 rows on 512x512 to 2048x512 matrices, 1.04-1.09x at 128-256, so up to 64 rows. Smaller
-//   weights lost (768x256 0.73x at 64 rows: the blocks' calls cost more than the GEMM).
-// bfloat16 x keeps 32 int8 rows and no float blocks: its GEMM (oneDNN on AVX512-BF16) overtook the
-// blocks between 32 and 64 rows (549 against 326 GFLOP/s at 128). Every other CPU too, where a
-// float32 GEMM near its peak overtakes the blocks (an estimate for Intel and AVX2, not measured).
-// TORCHMHA_LINEAR_BLOCKED_ROWS=R sets the limit for every weight.
+//   88-195;
+// - float32 weights (since the loop's sums in one tree): 198-261 GFLOP/s from 128 to 1024 rows
+//   against ATen's 165-203 (1.2-1.4x; 1.2-1.8x at 16-64 before that); float16 249-258 against
+//   175-186. Only weights of at least 2^18 elements: smaller ones lost (768x256 0.73x at 64 rows:
+//   the blocks' calls cost more than the GEMM).
+// So up to 1024 rows, where the measurements stop. bfloat16 x keeps 32 int8 rows and no float
+// blocks: its GEMM (oneDNN on AVX512-BF16) overtook the blocks between 32 and 64 rows (549 against
+// 326 GFLOP/s at 128). Every other CPU too, where a float32 GEMM near its peak overtakes the blocks
+// (an estimate for Intel and AVX2, not measured). TORCHMHA_LINEAR_BLOCKED_ROWS=R sets the limit for
+// every weight.
 int64_t blocked_rows(const Tensor& x, const Tensor& weight, bool quantized) {
   static const std::optional<int64_t> forced = settings::read_count("TORCHMHA_LINEAR_BLOCKED_ROWS", "rows of x");
   static const bool amd_avx512 = cpu_capability() == Capability::kAvx512 && cpu_vendor() == Vendor::kAmd;
@@ -71,7 +73,7 @@ int64_t blocked_rows(const Tensor& x, const Tensor& weight, bool quantized) {
   if (!amd_avx512 || x.scalar_type() == at::kBFloat16) {
     return quantized ? 32 : 0;
   }
-  return quantized ? 1024 : weight.numel() >= (int64_t(1) << 18) ? 64 : 0;
+  return quantized || weight.numel() >= (int64_t(1) << 18) ? 1024 : 0;
 }
 
 // Tasks of at least 64 KiB of weights: below that, waking a thread costs more than it saves.
