@@ -58,7 +58,9 @@ bool kernel_applies(const Tensor& x, const Tensor& weight, const OptionalTensor&
 // - float32 weights (since the loop's sums in one tree): 198-261 GFLOP/s from 128 to 1024 rows
 //   against ATen's 165-203 (1.2-1.4x; 1.2-1.8x at 16-64 before that); float16 249-258 against
 //   175-186. Only weights of at least 2^18 elements: smaller ones lost (768x256 0.73x at 64 rows:
-//   the blocks' calls cost more than the GEMM).
+//   the blocks' calls cost more than the GEMM). And up to 1024 rows only while the weight stays in
+//   L3 from one block to the next: one matrix at a time, 4-16 MiB of float32 won 1.26-1.58x at
+//   256-1024 rows, 64 MiB (4096x4096) lost 0.78-0.87x; past 16 MiB, 64 rows (1.1-2.6x at 16-64).
 // So up to 1024 rows, where the measurements stop. bfloat16 x keeps 32 int8 rows and no float
 // blocks: its GEMM (oneDNN on AVX512-BF16) overtook the blocks between 32 and 64 rows (549 against
 // 326 GFLOP/s at 128). Every other CPU too, where a float32 GEMM near its peak overtakes the blocks
@@ -73,7 +75,11 @@ int64_t blocked_rows(const Tensor& x, const Tensor& weight, bool quantized) {
   if (!amd_avx512 || x.scalar_type() == at::kBFloat16) {
     return quantized ? 32 : 0;
   }
-  return quantized || weight.numel() >= (int64_t(1) << 18) ? 1024 : 0;
+  if (quantized) {
+    return 1024;
+  }
+  const int64_t bytes = weight.numel() * static_cast<int64_t>(weight.element_size());
+  return weight.numel() < (int64_t(1) << 18) ? 0 : bytes <= (int64_t(16) << 20) ? 1024 : 64;
 }
 
 // Tasks of at least 64 KiB of weights: below that, waking a thread costs more than it saves.

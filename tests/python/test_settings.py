@@ -311,8 +311,9 @@ def blocks(rows, dtype, O=24, K=40, int8=True):
 def test_rows_past_the_kernel_go_in_blocks_up_to_the_rule_then_to_a_gemm():
     """Past 8 rows, the kernel takes a call in blocks of 8 (narrowed views of x and y) up to a limit, and a
     GEMM (a linear) takes it beyond. On AMD with AVX-512, for float32 and float16 x: int8 weights
-    and float weights of at least 2^18 elements up to 1024 rows; elsewhere and for bfloat16, 32 int8
-    rows and no float blocks (measured: small_linear_kernel.cpp). The setting moves it."""
+    and float weights of 2^18 elements up to 16 MiB up to 1024 rows, larger float weights up to 64;
+    elsewhere and for bfloat16, 32 int8 rows and no float blocks (measured: small_linear_kernel.cpp).
+    The setting moves it."""
     amd_avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512" and next(
         line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")) == "AuthenticAMD"
     code = LINEAR_BLOCKS + f"""
@@ -321,6 +322,8 @@ for dtype in (torch.float32, torch.float16):
     assert blocks(33, dtype) == blocks(1024, dtype) == {amd_avx512}
     assert blocks(9, dtype, 512, 512, False) == blocks(1024, dtype, 512, 512, False) == {amd_avx512}
     assert not blocks(1025, dtype, 512, 512, False) and not blocks(9, dtype, 511, 512, False)
+assert blocks(1024, torch.float32, 4096, 1024, False) == blocks(64, torch.float32, 4096, 1025, False) == {amd_avx512}
+assert not blocks(65, torch.float32, 4096, 1025, False)
 assert blocks(32, torch.bfloat16) and not blocks(33, torch.bfloat16) and not blocks(9, torch.bfloat16, 512, 512, False)
 """
     run_python_with(code)
