@@ -52,19 +52,19 @@ bool kernel_applies(const Tensor& x, const Tensor& weight, const OptionalTensor&
 // Rows of x up to which the kernel takes a call in blocks of kLinearMaxRows (a pass over the weights
 // each) rather than leaving it to a GEMM (docs/kernel_rules.md). Measured on AMD with AVX-512 (Zen
 // 5, 2 threads, alternated in one process), float32 and float16 x, where MKL's float32 GEMM reaches
-// about 40% of the FMA peak, over a decoding step's 36 weights (512x512 to 2048x512):
+// about 40% of the FMA peak:
 // - int8 weights, against dequantizing for a GEMM: 202-225 GFLOP/s from 16 to 1024 rows against
-//   88-195;
-// - float32 weights (since the loop's sums in one tree): 198-261 GFLOP/s from 128 to 1024 rows
-//   against ATen's 165-203 (1.2-1.4x; 1.2-1.8x at 16-64 before that); float16 249-258 against
-//   175-186. Only weights of at least 2^18 elements: smaller ones lost (768x256 0.73x at 64 rows:
-//   the blocks' calls cost more than the GEMM). And up to 1024 rows only while the weight stays in
-//   L3 from one block to the next: one matrix at a time, 4-16 MiB of float32 won 1.26-1.58x at
-//   256-1024 rows, 64 MiB (4096x4096) lost 0.78-0.87x; past 16 MiB, 64 rows (1.1-2.6x at 16-64).
-// So up to 1024 rows, where the measurements stop. bfloat16 x keeps 32 int8 rows and no float
-// blocks: its GEMM (oneDNN on AVX512-BF16) overtook the blocks between 32 and 64 rows (549 against
-// 326 GFLOP/s at 128). Every other CPU too, where a float32 GEMM near its peak overtakes the blocks
-// (an estimate for Intel and AVX2, not measured). TORCHMHA_LINEAR_BLOCKED_ROWS=R sets the limit for
+//   88-195 (a decoding step's 36 weights, 512x512 to 2048x512);
+// - float32 and float16 weights of at least 2^18 elements, against ATen's GEMM, on those weights:
+//   float32 198-261 against 165-203 GFLOP/s from 128 to 1024 rows, float16 249-258 against
+//   175-186. Smaller weights lost (768x256 0.73x at 64 rows: the blocks' calls cost more than the
+//   GEMM). Past 16 MiB only 64 rows: each block reads the weight again, cheap only while it stays
+//   in L3 (32 MiB there). One matrix at a time at 256-1024 rows, 4-16 MiB won 1.26-1.58x and 64 MiB
+//   (4096x4096) lost 0.78-0.87x; at 16-64 rows, 1.1-2.6x up to 4096x4096.
+// 1024 rows is where the measurements stop. bfloat16 x keeps 32 int8 rows and no float blocks: its
+// GEMM (oneDNN on AVX512-BF16) overtook the blocks between 32 and 64 rows (549 against 326 GFLOP/s
+// at 128). Every other CPU too, where a float32 GEMM near its peak overtakes the blocks (an
+// estimate for Intel and AVX2, not measured). TORCHMHA_LINEAR_BLOCKED_ROWS=R sets the limit for
 // every weight.
 int64_t blocked_rows(const Tensor& x, const Tensor& weight, bool quantized) {
   static const std::optional<int64_t> forced = settings::read_count("TORCHMHA_LINEAR_BLOCKED_ROWS", "rows of x");

@@ -324,6 +324,7 @@ for dtype in (torch.float32, torch.float16):
     assert not blocks(1025, dtype, 512, 512, False) and not blocks(9, dtype, 511, 512, False)
 assert blocks(1024, torch.float32, 4096, 1024, False) == blocks(64, torch.float32, 4096, 1025, False) == {amd_avx512}
 assert not blocks(65, torch.float32, 4096, 1025, False)
+assert blocks(1024, torch.float16, 4096, 2048, False) == {amd_avx512}  # (16 MiB: the limit is in bytes)
 assert blocks(32, torch.bfloat16) and not blocks(33, torch.bfloat16) and not blocks(9, torch.bfloat16, 512, 512, False)
 """
     run_python_with(code)

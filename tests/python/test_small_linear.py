@@ -19,10 +19,11 @@ SLACK = {torch.float32: 1e-5, torch.bfloat16: 0, torch.float16: 0}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("K, O, bias", [(64, 40, True), (37, 13, False), (512, 2048, True), (1100, 301, True)])
 def test_small_linear_matches_linear(dtype, rows, K, O, bias):
-    """Every row count the kernel unrolls, K with a tail past whole vectors, O past the block of
+    """Every row count the kernel unrolls (on AVX-512, 4-8 rows sum their outputs in one tree of 8-16
+    vectors), K with a tail past whole vectors, O past the block of
     output features, with and without bias; K in spans with their sums carried (1100 from 5 rows:
     spans of 768 or 512, the last with a tail; O past a block of 256 features, and odd)."""
     x = torch.randn(rows, K, dtype=dtype)
