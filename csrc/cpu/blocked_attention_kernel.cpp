@@ -306,8 +306,11 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
   // per head, at 1024^2, 2048^2, 4096^2 (medians of 5 alternated rounds): forward 0.96, 0.81,
   // 0.85; forward+backward 0.81, 0.77, 0.81; causal forward 0.70, 0.77, 0.79; causal
   // forward+backward 0.62, 0.69, 0.76 (before the copy: 0.95-1.01 forward, 0.91-0.97 with the
-  // backward). The kernel runs there at 125-158 GFLOP/s, about torch.mm's rate. The Intel sizes
-  // were measured before the copy and are kept until measured again.
+  // backward). The kernel runs there at 125-158 GFLOP/s, about torch.mm's rate.
+  // On an Intel Xeon with AMX (avx512f, amx_bf16, avx512_fp16; 2026-12-03, min of 2 alternated
+  // rounds), float32 with the K^T copy, 256^2 to 4096^2 (the sizes above were before it): forward
+  // 0.87-0.96, forward+backward 0.83-0.99, causal 0.53-0.89; 305-323 GFLOP/s where torch.mm runs
+  // at 440 and SDPA at 240-306. So every AVX-512 CPU of either vendor takes it without a bound.
   // On an AMD EPYC without AVX-512 (Zen 3: family 25 model 1, AVX2 only; 2026-12-02, min of 3
   // rounds, 8 heads of 64): the kernel runs at 107-110 GFLOP/s at 1024^2-4096^2, SDPA at 139-142.
   // Forward 0.70, 0.90, 0.91 at 128^2-512^2, 1.28-1.31 from 1024^2; forward+backward 0.59-0.91 up
@@ -328,16 +331,19 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
     return !sdpa_native && scores >= 128 * 128;
   }
   // float32: the kernel from `least` to `most` scores a head, as measured on each CPU kind above.
-  // Hygon (Zen cores, not measured) and other vendors get the Intel sizes, which keep SDPA at large sizes.
-  const bool amd = cpu_vendor() == Vendor::kAmd;
+  // Hygon (Zen cores, not measured), other vendors and Intel's AVX2 copy get the Intel sizes from
+  // before the K^T copy, which keep SDPA at large sizes.
+  const Vendor vendor = cpu_vendor();
   const bool avx512 = cpu_capability() == Capability::kAvx512;
   constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max();
   const int64_t least = with_grad && !is_causal ? 64 * 64 : 128 * 128;
-  int64_t most = with_grad ? 512 * 512 : 256 * 256;  // Intel
-  if (is_causal) {
-    most = amd && !avx512 && !with_grad ? 1024 * 1024 : kUnbounded;
-  } else if (amd) {
-    most = avx512 ? kUnbounded : 512 * 512;
+  int64_t most = with_grad ? 512 * 512 : 256 * 256;
+  if (avx512 && (vendor == Vendor::kAmd || vendor == Vendor::kIntel)) {
+    most = kUnbounded;
+  } else if (is_causal) {
+    most = vendor == Vendor::kAmd && !with_grad ? 1024 * 1024 : kUnbounded;
+  } else if (vendor == Vendor::kAmd) {
+    most = 512 * 512;
   }
   return scores >= least && scores <= most;
 }

@@ -213,12 +213,12 @@ def test_the_vendor_is_read_from_the_cpu():
 
 @needs_avx512
 def test_vendor_setting_moves_the_float32_rule():
-    """float32 without a causal mask beyond 512^2 scores a head: the kernel on AMD, SDPA on Intel
-    (each measured on its CPU: blocked_attention_kernel.cpp); Hygon (Zen cores, not measured) and
-    other vendors get the Intel sizes."""
+    """float32 without a causal mask beyond 512^2 scores a head: the kernel on AMD and Intel (each
+    measured on its CPU: blocked_attention_kernel.cpp); Hygon (Zen cores, not measured) and other
+    vendors keep SDPA there (the Intel sizes from before the kernel's K^T copy)."""
     code = BLOCKED_TAKEN + "assert blocked(torch.float32, 1024) == EXPECTED and blocked(torch.float32, 1024, True) == EXPECTED"
     unset = ("TORCHMHA_BLOCKED_KERNEL",)
-    for vendor, expected in (("amd", True), ("intel", False), ("hygon", False), ("other", False)):
+    for vendor, expected in (("amd", True), ("intel", True), ("hygon", False), ("other", False)):
         run_python_with(code.replace("EXPECTED", str(expected)), set_env={"TORCHMHA_CPU_VENDOR": vendor}, unset=unset)
 
 
