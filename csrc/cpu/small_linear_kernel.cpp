@@ -50,36 +50,44 @@ bool kernel_applies(const Tensor& x, const Tensor& weight, const OptionalTensor&
 }
 
 // Rows of x up to which the kernel takes a call in blocks of kLinearMaxRows (a pass over the weights
-// each) rather than leaving it to a GEMM (docs/kernel_rules.md). Measured on AMD with AVX-512 (Zen
-// 5, 2 threads, alternated in one process), float32 and float16 x, where MKL's float32 GEMM reaches
-// about 40% of the FMA peak:
-// - int8 weights, against dequantizing for a GEMM: 202-225 GFLOP/s from 16 to 1024 rows against
-//   88-195 (a decoding step's 36 weights, 512x512 to 2048x512);
-// - float32 and float16 weights of at least 2^18 elements, against ATen's GEMM, on those weights:
-//   float32 198-261 against 165-203 GFLOP/s from 128 to 1024 rows, float16 249-258 against
-//   175-186. Smaller weights lost (768x256 0.73x at 64 rows: the blocks' calls cost more than the
-//   GEMM). Past 16 MiB only 64 rows: each block reads the weight again, cheap only while it stays
-//   in L3 (32 MiB there). One matrix at a time at 256-1024 rows, 4-16 MiB won 1.26-1.58x and 64 MiB
-//   (4096x4096) lost 0.78-0.87x; at 16-64 rows, 1.1-2.6x up to 4096x4096.
-// 1024 rows is where the measurements stop. bfloat16 x keeps 32 int8 rows and no float blocks: its
-// GEMM (oneDNN on AVX512-BF16) overtook the blocks between 32 and 64 rows (549 against 326 GFLOP/s
-// at 128). Every other CPU too, where a float32 GEMM near its peak overtakes the blocks (an
-// estimate for Intel and AVX2, not measured). TORCHMHA_LINEAR_BLOCKED_ROWS=R sets the limit for
-// every weight.
+// each) rather than leaving it to a GEMM (docs/kernel_rules.md). Measured on each kind with AVX-512
+// (2 threads, alternated in one process, a decoding step's 36 weights, 512x512 to 2048x512, against
+// dequantizing for a GEMM for int8 and ATen's GEMM for float weights):
+// - AMD (Zen 5), where MKL's float32 GEMM reaches about 40% of the FMA peak: int8 202-225 GFLOP/s
+//   from 16 to 1024 rows against 88-195; float32 198-261 against 165-203 from 128 to 1024 rows,
+//   float16 249-258 against 175-186. Past 16 MiB only 64 rows: each block reads the weight again,
+//   cheap only while it stays in L3 (32 MiB there; 4096x4096 lost 0.78-0.87x at 256-1024 rows).
+// - Intel (Xeon with AMX), where MKL's reaches 440 GFLOP/s at 2048^3: float32 183-206 against
+//   108-171 at 16-32 rows, 209 against 278 at 64; past 16 MiB (4096x4096, 8192x2048) 0.81-0.84 of
+//   the GEMM's time at 16 rows, 1.19-1.23 at 32. float16 (native GEMMs with AVX512-FP16) 1.03-1.11
+//   at 16 rows one matrix at a time: no blocks. int8 with float32 x 201-213 against 32-153 at 16-64
+//   rows, 208 against 216 at 128.
+// Weights under 2^18 elements lost on AMD (768x256 0.73x at 64 rows: the blocks' calls cost more
+// than the GEMM). bfloat16 x keeps 32 int8 rows and no float blocks: its GEMM (oneDNN on
+// AVX512-BF16 or AMX) overtook the blocks between 32 and 64 rows on AMD (549 against 326 GFLOP/s at
+// 128) and from 16 rows on Intel (290 against 169). Other CPUs (AVX2, other vendors): the same, not
+// measured. TORCHMHA_LINEAR_BLOCKED_ROWS=R sets the limit for every weight.
 int64_t blocked_rows(const Tensor& x, const Tensor& weight, bool quantized) {
   static const std::optional<int64_t> forced = settings::read_count("TORCHMHA_LINEAR_BLOCKED_ROWS", "rows of x");
-  static const bool amd_avx512 = cpu_capability() == Capability::kAvx512 && cpu_vendor() == Vendor::kAmd;
   if (forced.has_value()) {
     return *forced;
   }
-  if (!amd_avx512 || x.scalar_type() == at::kBFloat16) {
+  const Vendor vendor = cpu_capability() == Capability::kAvx512 ? cpu_vendor() : Vendor::kOther;
+  const bool measured = vendor == Vendor::kAmd || vendor == Vendor::kIntel;
+  if (!measured || x.scalar_type() == at::kBFloat16) {
     return quantized ? 32 : 0;
   }
   if (quantized) {
-    return 1024;
+    return vendor == Vendor::kAmd ? 1024 : 64;
   }
-  const int64_t bytes = weight.numel() * static_cast<int64_t>(weight.element_size());
-  return weight.numel() < (int64_t(1) << 18) ? 0 : bytes <= (int64_t(16) << 20) ? 1024 : 64;
+  if (weight.numel() < (int64_t(1) << 18) || (vendor == Vendor::kIntel && x.scalar_type() == at::kHalf)) {
+    return 0;
+  }
+  const bool over_16_mib = weight.numel() * static_cast<int64_t>(weight.element_size()) > (int64_t(16) << 20);
+  if (vendor == Vendor::kIntel) {
+    return over_16_mib ? 16 : 32;
+  }
+  return over_16_mib ? 64 : 1024;
 }
 
 // Tasks of at least 64 KiB of weights: below that, waking a thread costs more than it saves.
@@ -88,9 +96,11 @@ int64_t grain_of(int64_t K, int64_t element_size) {
 }
 
 // int8 weights through AVX512-VNNI's integer dot products (linear_kernel_vnni.cpp), for up to
-// kIntegerMaxRows rows; TORCHMHA_VNNI=0 keeps the float conversion (docs/kernel_rules.md).
+// kIntegerMaxRows rows, on AMD: there they beat the float conversion (docs/kernel_rules.md); on the
+// Intel Xeon with AMX they lost (0.72-0.96x at 2-4 rows, even at 1). TORCHMHA_VNNI=1 takes them on
+// any CPU with VNNI, 0 never.
 bool integer_kernel_applies(int64_t M, int64_t K) {
-  static const bool on = settings::read_switch("TORCHMHA_VNNI").value_or(true) &&
+  static const bool on = settings::read_switch("TORCHMHA_VNNI").value_or(cpu_vendor() == Vendor::kAmd) &&
       cpu_capability() == Capability::kAvx512 && at::cpu::is_avx512_vnni_supported();
   return on && M <= kernel::kIntegerMaxRows && K <= kernel::kIntegerMaxK;
 }
@@ -122,13 +132,14 @@ bool run_integer_kernel(const Tensor& rows, const Tensor& weight, const Tensor& 
   return true;
 }
 
-// bfloat16 weights against bfloat16 x through AVX512-BF16's dot products (linear_kernel_bf16.cpp),
-// for every row count the kernel takes; TORCHMHA_AVX512_BF16=0 keeps the float loop
-// (docs/kernel_rules.md).
-bool bfloat16_kernel_applies() {
-  static const bool on = settings::read_switch("TORCHMHA_AVX512_BF16").value_or(true) &&
-      cpu_capability() == Capability::kAvx512 && cpu_has_feature("avx512_bf16");
-  return on;
+// bfloat16 x through AVX512-BF16's dot products (linear_kernel_bf16.cpp) rather than the float
+// loop: against bfloat16 weights on every CPU with them, against int8 weights (5-8 rows) on AMD
+// only, where they won; on the Intel Xeon with AMX the float loop was 1.28-1.37x faster there
+// (docs/kernel_rules.md). TORCHMHA_AVX512_BF16=1 takes them for both, 0 for neither.
+bool bfloat16_kernel_applies(bool int8_weights) {
+  static const std::optional<bool> forced = settings::read_switch("TORCHMHA_AVX512_BF16");
+  static const bool has = cpu_capability() == Capability::kAvx512 && cpu_has_feature("avx512_bf16");
+  return has && forced.value_or(!int8_weights || cpu_vendor() == Vendor::kAmd);
 }
 
 template <typename weight_t>
@@ -168,7 +179,7 @@ template <typename scalar_t, typename weight_t>
 bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& scale, const OptionalTensor& bias,
                 const Tensor& y) {
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<weight_t, c10::BFloat16>) {
-    if (bfloat16_kernel_applies()) {
+    if (bfloat16_kernel_applies(false)) {
       run_bfloat16_kernel<uint16_t>(x, weight, scale, bias, y);
       return true;
     }
@@ -185,7 +196,7 @@ bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& sca
     // (past VNNI's rows: the conversion to bfloat16 is shared by every row, each row then one
     // vdpbf16ps per 32 weights, against an FMA per 16 in the float loop)
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-      if (bfloat16_kernel_applies()) {
+      if (bfloat16_kernel_applies(true)) {
         run_bfloat16_kernel<int8_t>(x, weight, scale, bias, y);
         return true;
       }

@@ -5,6 +5,10 @@ import os
 # The blocked kernel (attention without weights) runs where it beat SDPA on the machine it was
 # measured on; the tests run it wherever it applies (test_blocked_attention.py checks the rule).
 os.environ.setdefault("TORCHMHA_BLOCKED_KERNEL", "1")
+# Likewise int8 weights' integer digits (VNNI) and bfloat16 dot products, which the rule takes on AMD
+# only (small_linear_kernel.cpp); the tests with each set to 0 check the float loop they replace.
+os.environ.setdefault("TORCHMHA_VNNI", "1")
+os.environ.setdefault("TORCHMHA_AVX512_BF16", "1")
 
 import pytest
 import torch

@@ -99,7 +99,7 @@ def test_zero_tiny_huge_and_non_finite_rows():
 
 
 def test_without_vnni_the_float_conversion_computes_the_same():
-    """TORCHMHA_VNNI=0: int8 rows converted to float (the path of CPUs without AVX512-VNNI)."""
+    """TORCHMHA_VNNI=0: int8 rows converted to float (the path of Intel CPUs and CPUs without AVX512-VNNI)."""
     from helpers import run_python_with
     import pathlib
     code = ("import sys; sys.path.insert(0, %r); import test_quantized_linear as t; "
@@ -120,13 +120,34 @@ def test_the_reference_past_the_blocks_computes_the_same():
 
 
 def test_without_avx512_bf16_the_float_loop_computes_bfloat16_rows_the_same():
-    """TORCHMHA_AVX512_BF16=0: 5-8 rows of bfloat16 x through the float loop (CPUs without AVX512-BF16)."""
+    """TORCHMHA_AVX512_BF16=0: 5-8 rows of bfloat16 x through the float loop (Intel CPUs, CPUs without AVX512-BF16)."""
     from helpers import run_python_with
     import pathlib
     code = ("import sys, torch; sys.path.insert(0, %r); import test_quantized_linear as t; "
             "[t.test_quantized_linear_is_linear_with_the_dequantized_weight(torch.bfloat16, r, K, O, b) "
             "for r in (5, 8) for K, O, b in ((37, 13, False), (512, 2048, True))]")
     run_python_with(code % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_AVX512_BF16": "0"})
+
+
+@pytest.mark.skipif(
+    not (torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported()),
+    reason="needs AVX512-BF16")
+@pytest.mark.parametrize("vendor, setting, dot_products", [("amd", None, True), ("intel", None, False),
+                                                            ("intel", "1", True), ("amd", "0", False)])
+def test_bfloat16_rows_take_dot_products_on_amd_or_where_set(vendor, setting, dot_products):
+    """5 rows of bfloat16 x = 1e-39 (a subnormal) against int8 weights of one scaled by 2^100:
+    vdpbf16ps reads subnormal inputs as zero, the float loop gives 1.28e-9. Unset, the dot products
+    run on AMD only (measured: small_linear_kernel.cpp); TORCHMHA_AVX512_BF16 moves them."""
+    from helpers import run_python_with
+    code = f"""
+import torch, torchmha
+x = torch.full((5, 2), 1e-39, dtype=torch.bfloat16)
+q, scale = torch.ones(1, 2, dtype=torch.int8), torch.full((1,), 2.0**100)
+y = torch.ops.torchmha.quantized_linear(x, q, scale, None)
+assert bool((y == 0).all()) == {dot_products}, y
+"""
+    setting = {"TORCHMHA_AVX512_BF16": setting} if setting else {}
+    run_python_with(code, set_env={"TORCHMHA_CPU_VENDOR": vendor, **setting}, unset=("TORCHMHA_AVX512_BF16",))
 
 
 def test_strided_rows_and_batched_input():

@@ -281,15 +281,18 @@ def test_micro_gemm_settings_move_products_to_aten(env, aten):
                     reason="needs AVX512-VNNI")
 def test_vnni_setting_moves_int8_rows_off_the_integer_path():
     """x = (1e8, 1, -1e8) against weights of one: the integer digits sum it exactly (1), the float
-    loop rounds 1e8 + 1 back to 1e8 (0); TORCHMHA_VNNI=0 gives the float loop's answer."""
+    loop rounds 1e8 + 1 back to 1e8 (0). TORCHMHA_VNNI=1 takes the digits, 0 the float loop; unset,
+    the digits on AMD only (measured: small_linear_kernel.cpp), as TORCHMHA_CPU_VENDOR says."""
     code = """
 import torch, torchmha
 q = torch.ones(1, 3, dtype=torch.int8)
 y = torch.ops.torchmha.quantized_linear(torch.tensor([[1e8, 1.0, -1e8]]), q, torch.ones(1), None)
 assert y.item() == {}, y
 """
-    run_python_with(code.format(1.0))
-    run_python_with(code.format(0.0), set_env={"TORCHMHA_VNNI": "0"})
+    run_python_with(code.format(1.0), set_env={"TORCHMHA_VNNI": "1", "TORCHMHA_CPU_VENDOR": "intel"})
+    run_python_with(code.format(0.0), set_env={"TORCHMHA_VNNI": "0", "TORCHMHA_CPU_VENDOR": "amd"})
+    for vendor, sum_of_x in (("amd", 1.0), ("intel", 0.0)):
+        run_python_with(code.format(sum_of_x), set_env={"TORCHMHA_CPU_VENDOR": vendor}, unset=("TORCHMHA_VNNI",))
 
 
 LINEAR_BLOCKS = PROFILED + """
@@ -307,31 +310,38 @@ def blocks(rows, dtype, O=24, K=40, int8=True):
 """
 
 
+# Per vendor, as measured with AVX-512 (small_linear_kernel.cpp): the most rows that int8 weights
+# take in blocks with float32/float16 x, and float32 and float16 weights of 512x512 (float32's
+# 4096x1025, past 16 MiB, in the last column; the cap is in bytes: float16's 4096x2048 is under it).
+BLOCK_LIMITS = {"amd": (1024, 1024, 1024, 64), "intel": (64, 32, 0, 16), "other": (32, 0, 0, 0)}
+
+
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs the AVX2 copy")
-def test_rows_past_the_kernel_go_in_blocks_up_to_the_rule_then_to_a_gemm():
+@pytest.mark.parametrize("vendor", list(BLOCK_LIMITS))
+def test_rows_past_the_kernel_go_in_blocks_up_to_the_rule_then_to_a_gemm(vendor):
     """Past 8 rows, the kernel takes a call in blocks of 8 (narrowed views of x and y) up to a limit, and a
-    GEMM (a linear) takes it beyond. On AMD with AVX-512, for float32 and float16 x: int8 weights
-    and float weights of 2^18 elements up to 16 MiB up to 1024 rows, larger float weights up to 64;
-    elsewhere and for bfloat16, 32 int8 rows and no float blocks (measured: small_linear_kernel.cpp).
-    The setting moves it."""
-    amd_avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512" and next(
-        line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")) == "AuthenticAMD"
+    GEMM (a linear) takes it beyond. With AVX-512, for float32 and float16 x: on AMD int8 weights and
+    float weights of 2^18 elements up to 16 MiB up to 1024 rows, larger float weights up to 64; on
+    Intel int8 up to 64 rows, float32 up to 32 (16 past 16 MiB) and float16 none; elsewhere and for bfloat16, 32
+    int8 rows and no float blocks (measured: small_linear_kernel.cpp). TORCHMHA_CPU_VENDOR names the
+    vendor (with the AVX2 copy every vendor gets the last); the row setting moves the limit."""
+    limits = BLOCK_LIMITS[vendor if torch.backends.cpu.get_cpu_capability() == "AVX512" else "other"]
     code = LINEAR_BLOCKS + f"""
-for dtype in (torch.float32, torch.float16):
-    assert blocks(9, dtype) and blocks(32, dtype) and not blocks(1025, dtype)
-    assert blocks(33, dtype) == blocks(1024, dtype) == {amd_avx512}
-    assert blocks(9, dtype, 512, 512, False) == blocks(1024, dtype, 512, 512, False) == {amd_avx512}
-    assert not blocks(1025, dtype, 512, 512, False) and not blocks(9, dtype, 511, 512, False)
-assert blocks(1024, torch.float32, 4096, 1024, False) == blocks(64, torch.float32, 4096, 1025, False) == {amd_avx512}
-assert not blocks(65, torch.float32, 4096, 1025, False)
-assert blocks(1024, torch.float16, 4096, 2048, False) == {amd_avx512}  # (16 MiB: the limit is in bytes)
-assert blocks(32, torch.bfloat16) and not blocks(33, torch.bfloat16) and not blocks(9, torch.bfloat16, 512, 512, False)
+int8, f32, f16, huge = {limits}
+def up_to(limit, dtype, *shape):
+    return all(blocks(rows, dtype, *shape) == (rows <= limit) for rows in (9, limit, limit + 1) if rows > 8)
+for dtype, float_limit in ((torch.float32, f32), (torch.float16, f16)):
+    assert up_to(int8, dtype) and up_to(float_limit, dtype, 512, 512, False)
+    assert not blocks(9, dtype, 511, 512, False)  # (under 2^18 elements)
+assert up_to(huge, torch.float32, 4096, 1025, False)
+assert up_to(f32, torch.float32, 4096, 1024, False) and up_to(f16, torch.float16, 4096, 2048, False)  # (16 MiB)
+assert up_to(32, torch.bfloat16) and not blocks(9, torch.bfloat16, 512, 512, False)
 """
-    run_python_with(code)
+    run_python_with(code, set_env={"TORCHMHA_CPU_VENDOR": vendor}, unset=("TORCHMHA_LINEAR_BLOCKED_ROWS",))
     forced = LINEAR_BLOCKS + \
         "assert blocks(16, torch.float32) and not blocks(17, torch.float32) and not blocks(17, torch.bfloat16)\n" \
         "assert blocks(16, torch.bfloat16, int8=False) and not blocks(17, torch.float32, int8=False)"
-    run_python_with(forced, set_env={"TORCHMHA_LINEAR_BLOCKED_ROWS": "16"})
+    run_python_with(forced, set_env={"TORCHMHA_LINEAR_BLOCKED_ROWS": "16", "TORCHMHA_CPU_VENDOR": vendor})
 
 
 # A linear layer on 64 rows (past the small-batch kernel; a weight under the 2^18 elements of its
