@@ -307,10 +307,11 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
   // 0.85; forward+backward 0.81, 0.77, 0.81; causal forward 0.70, 0.77, 0.79; causal
   // forward+backward 0.62, 0.69, 0.76 (before the copy: 0.95-1.01 forward, 0.91-0.97 with the
   // backward). The kernel runs there at 125-158 GFLOP/s, about torch.mm's rate.
-  // On an Intel Xeon with AMX (avx512f, amx_bf16, avx512_fp16; 2026-12-03, min of 2 alternated
-  // rounds), float32 with the K^T copy, 256^2 to 4096^2 (the sizes above were before it): forward
-  // 0.87-0.96, forward+backward 0.83-0.99, causal 0.53-0.89; 305-323 GFLOP/s where torch.mm runs
-  // at 440 and SDPA at 240-306. So every AVX-512 CPU of either vendor takes it without a bound.
+  // On an Intel Xeon with AMX (avx512f, amx_bf16, avx512_fp16; 2026-12-03), float32 with the K^T
+  // copy, 4 alternated rounds: forward 0.91-0.95 at 512^2 (N = 1, 2), 0.99-1.0 at 768^2, 0.94-1.09
+  // at 1024^2 to 8192^2 (263-293 GFLOP/s, SDPA 266-295: a tie), 0.92-1.10 at 256^2; one round:
+  // forward+backward 0.83-0.86 up to 512^2, 0.94-0.99 beyond; causal 0.53-0.89 up to 4096^2. So
+  // on Intel with AVX-512 the forward bound is 512^2 (was 256^2, measured before the copy).
   // On an AMD EPYC without AVX-512 (Zen 3: family 25 model 1, AVX2 only; 2026-12-02, min of 3
   // rounds, 8 heads of 64): the kernel runs at 107-110 GFLOP/s at 1024^2-4096^2, SDPA at 139-142.
   // Forward 0.70, 0.90, 0.91 at 128^2-512^2, 1.28-1.31 from 1024^2; forward+backward 0.59-0.91 up
@@ -332,18 +333,16 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
   }
   // float32: the kernel from `least` to `most` scores a head, as measured on each CPU kind above.
   // Hygon (Zen cores, not measured), other vendors and Intel's AVX2 copy get the Intel sizes from
-  // before the K^T copy, which keep SDPA at large sizes.
+  // before the K^T copy (a forward up to 256^2), which keep SDPA at large sizes.
   const Vendor vendor = cpu_vendor();
   const bool avx512 = cpu_capability() == Capability::kAvx512;
   constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max();
   const int64_t least = with_grad && !is_causal ? 64 * 64 : 128 * 128;
-  int64_t most = with_grad ? 512 * 512 : 256 * 256;
-  if (avx512 && (vendor == Vendor::kAmd || vendor == Vendor::kIntel)) {
-    most = kUnbounded;
-  } else if (is_causal) {
-    most = vendor == Vendor::kAmd && !with_grad ? 1024 * 1024 : kUnbounded;
+  int64_t most = with_grad || (avx512 && vendor == Vendor::kIntel) ? 512 * 512 : 256 * 256;
+  if (is_causal) {
+    most = vendor == Vendor::kAmd && !avx512 && !with_grad ? 1024 * 1024 : kUnbounded;
   } else if (vendor == Vendor::kAmd) {
-    most = 512 * 512;
+    most = avx512 ? kUnbounded : 512 * 512;
   }
   return scores >= least && scores <= most;
 }

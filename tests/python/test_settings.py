@@ -213,13 +213,17 @@ def test_the_vendor_is_read_from_the_cpu():
 
 @needs_avx512
 def test_vendor_setting_moves_the_float32_rule():
-    """float32 without a causal mask beyond 512^2 scores a head: the kernel on AMD and Intel (each
-    measured on its CPU: blocked_attention_kernel.cpp); Hygon (Zen cores, not measured) and other
-    vendors keep SDPA there (the Intel sizes from before the kernel's K^T copy)."""
-    code = BLOCKED_TAKEN + "assert blocked(torch.float32, 1024) == EXPECTED and blocked(torch.float32, 1024, True) == EXPECTED"
+    """float32 without a causal mask: beyond 512^2 scores a head the kernel on AMD, SDPA on Intel; at
+    512^2 (a forward) the kernel on both (each measured on its CPU: blocked_attention_kernel.cpp);
+    Hygon (Zen cores, not measured) and other vendors keep SDPA from 512^2 (the Intel sizes from
+    before the kernel's K^T copy)."""
+    code = BLOCKED_TAKEN + ("assert blocked(torch.float32, 1024) == BEYOND and blocked(torch.float32, 1024, True) == BEYOND\n"
+                            "assert blocked(torch.float32, 512) == AT_512")
     unset = ("TORCHMHA_BLOCKED_KERNEL",)
-    for vendor, expected in (("amd", True), ("intel", True), ("hygon", False), ("other", False)):
-        run_python_with(code.replace("EXPECTED", str(expected)), set_env={"TORCHMHA_CPU_VENDOR": vendor}, unset=unset)
+    for vendor, beyond, at_512 in (("amd", True, True), ("intel", False, True), ("hygon", False, False),
+                                   ("other", False, False)):
+        expected = code.replace("BEYOND", str(beyond)).replace("AT_512", str(at_512))
+        run_python_with(expected, set_env={"TORCHMHA_CPU_VENDOR": vendor}, unset=unset)
 
 
 FUSED = PROFILED + """
