@@ -53,8 +53,9 @@ inline bool cpu_has_feature(const char* feature) {
 }
 
 /// Whether this CPU has AMX tiles for `dtype` (bfloat16 or float16): ATen's own GEMMs and SDPA then
-/// run on them. TORCHMHA_AMX=0/1 sets the answer for both dtypes (torchmha runs no AMX code itself,
-/// so 1 is safe on any CPU: it only moves the rules that read this).
+/// run on them. TORCHMHA_AMX=0/1 sets the answer for both dtypes (1 is safe on any CPU: it only
+/// moves the rules that read this; torchmha's own AMX tiles, small_linear_kernel.cpp, read the
+/// hardware's answer instead).
 inline bool cpu_has_amx(at::ScalarType dtype) {
   static const std::optional<bool> forced = settings::read_switch("TORCHMHA_AMX");
   static const bool bf16 = forced.value_or(cpu_has_feature("amx_bf16"));

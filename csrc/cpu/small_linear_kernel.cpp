@@ -142,9 +142,23 @@ bool bfloat16_kernel_applies(bool int8_weights) {
   return has && forced.value_or(!int8_weights || cpu_vendor() == Vendor::kAmd);
 }
 
+// bfloat16 weights on AMX tiles (linear_kernel_amx.cpp) rather than the dot products, from
+// kAmxMinRows rows of x, where the CPU has AMX-BF16 and Linux grants the tile state (asked once):
+// there the dot products are bound by their instructions, the tiles by the read (docs/kernel_rules.md).
+// K a multiple of 32 (a tile's columns); the output features past the last 16 run on the dot
+// products. TORCHMHA_AMX_LINEAR=1 takes the tiles from 1 row, 0 never (the hardware is needed either way).
+constexpr int64_t kAmxMinRows = 3;
+bool amx_kernel_applies(int64_t M, int64_t K, int64_t O) {
+  static const std::optional<bool> forced = settings::read_switch("TORCHMHA_AMX_LINEAR");
+  static const bool usable = forced.value_or(true) && cpu_capability() == Capability::kAvx512 &&
+      cpu_has_feature("amx_bf16") && cpu_has_feature("avx512_bf16") && kernel::amx_bf16::request_tiles();
+  return usable && M >= (forced.value_or(false) ? 1 : kAmxMinRows) && K % 32 == 0 && O >= 16;
+}
+
+// (tiles: bfloat16 weights where amx_kernel_applies)
 template <typename weight_t>
 void run_bfloat16_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& scale, const OptionalTensor& bias,
-                         const Tensor& y) {
+                         const Tensor& y, bool tiles = false) {
   const int64_t K = x.size(-1), O = weight.size(0);
   const Tensor rows = x.reshape({-1, K}).contiguous();
   const auto bits = [](const Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); };
@@ -152,7 +166,18 @@ void run_bfloat16_kernel(const Tensor& x, const Tensor& weight, const OptionalTe
       bits(rows), reinterpret_cast<const weight_t*>(weight.const_data_ptr()), weight.stride(0),
       is_present(scale) ? scale->const_data_ptr<float>() : nullptr, is_present(bias) ? bits(*bias) : nullptr, bits(y),
       rows.size(0), K, O};
-  at::parallel_for(0, O, grain_of(K, sizeof(weight_t)), [&](int64_t begin, int64_t end) {
+  int64_t done = 0;
+  if constexpr (std::is_same_v<weight_t, uint16_t>) {
+    if (tiles) {
+      std::vector<uint32_t> packed(K * kernel::kLinearMaxRows / 2);
+      kernel::amx_bf16::pack_rows(problem.x, problem.M, K, packed.data());
+      done = O / 16 * 16;
+      at::parallel_for(0, O / 16, std::max<int64_t>(1, grain_of(K, 2) / 16), [&](int64_t begin, int64_t end) {
+        kernel::amx_bf16::tile_rows(problem, packed.data(), begin, end);
+      });
+    }
+  }
+  at::parallel_for(done, O, grain_of(K, sizeof(weight_t)), [&](int64_t begin, int64_t end) {
     kernel::avx512_bf16::bfloat16_rows(problem, begin, end);
   });
 }
@@ -179,8 +204,10 @@ template <typename scalar_t, typename weight_t>
 bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& scale, const OptionalTensor& bias,
                 const Tensor& y) {
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<weight_t, c10::BFloat16>) {
-    if (bfloat16_kernel_applies(false)) {
-      run_bfloat16_kernel<uint16_t>(x, weight, scale, bias, y);
+    // (the tiles' rule first: it reads its setting on every CPU, and implies the dot products')
+    const bool tiles = amx_kernel_applies(x.numel() / x.size(-1), x.size(-1), weight.size(0));
+    if (tiles || bfloat16_kernel_applies(false)) {
+      run_bfloat16_kernel<uint16_t>(x, weight, scale, bias, y, tiles);
       return true;
     }
   }

@@ -31,6 +31,8 @@ TRIGGERS = {
     "TORCHMHA_FLOAT32_GEMM": "x = torch.randn(16, 8, dtype=torch.float16); torch.ops.torchmha.small_linear(x, x[:4], None)",
     "TORCHMHA_AVX512_BF16": "x = torch.randn(1, 8, dtype=torch.bfloat16); "
                             "torch.ops.torchmha.small_linear(x, torch.randn(4, 8, dtype=torch.bfloat16), None)",
+    "TORCHMHA_AMX_LINEAR": "x = torch.randn(3, 32, dtype=torch.bfloat16); "
+                           "torch.ops.torchmha.small_linear(x, torch.randn(16, 32, dtype=torch.bfloat16), None)",
     "TORCHMHA_RESIDUAL_NORM": "m = torchmha.CachedDecoder(torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer("
                               "8, 1, 16, 0.0), 1, enable_nested_tensor=False).eval())\n"
                               "with torch.no_grad(): m(torch.randn(1, 1, 8), m.new_state(1, 2))",
@@ -67,6 +69,7 @@ MALFORMED = [
     ("TORCHMHA_LINEAR_BLOCKED_ROWS", "all", COUNT + " (rows of x)"),
     ("TORCHMHA_RESIDUAL_NORM", "fused", SWITCH),
     ("TORCHMHA_AVX512_BF16", "yes", SWITCH),
+    ("TORCHMHA_AMX_LINEAR", "tiles", SWITCH),
     ("TORCHMHA_FLOAT32_GEMM", "float", SWITCH),
     ("TORCHMHA_CPU_CAPABILITY", "avx512f", "must be one of avx512, avx2, default"),
     ("TORCHMHA_AMX", "true", SWITCH),

@@ -66,6 +66,18 @@ void bfloat16_rows(const BFloat16Problem<uint16_t>& p, int64_t begin, int64_t en
 void bfloat16_rows(const BFloat16Problem<int8_t>& p, int64_t begin, int64_t end);
 }  // namespace avx512_bf16
 
+/// bfloat16 x against bfloat16 weights on AMX-BF16 tiles (linear_kernel_amx.cpp): 16 output
+/// features a tile product, every row of x at once.
+namespace amx_bf16 {
+/// Asks Linux for this process's tile state; false where it is refused (no tile instruction may run).
+bool request_tiles();
+/// x (M <= kLinearMaxRows rows, K a multiple of 32) as the tiles' B operand, into `packed`:
+/// K * kLinearMaxRows / 2 pairs.
+void pack_rows(const uint16_t* x, int64_t M, int64_t K, uint32_t* packed);
+/// Output features [16 begin, 16 end) of `p` (K a multiple of 32), from pack_rows' x.
+void tile_rows(const BFloat16Problem<uint16_t>& p, const uint32_t* packed, int64_t begin, int64_t end);
+}  // namespace amx_bf16
+
 /// x as exact integers for int8 weights on AVX512-VNNI (linear_kernel_vnni.cpp): row m is
 /// u_m * steps[m] with u_m = sum_l digits[m][l] 256^l, each digit in [-128, 127], and sums[m] the
 /// sum of u_m over the row. Digit rows are padded_k long (K rounded up to 64), zero past K.
