@@ -16,6 +16,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 #include <type_traits>
 
@@ -105,14 +106,27 @@ bool integer_kernel_applies(int64_t M, int64_t K) {
   return on && M <= kernel::kIntegerMaxRows && K <= kernel::kIntegerMaxK;
 }
 
-// False, with nothing written, where x holds an inf or a NaN (the float kernel then runs).
+// The VNNI kernel on rows [first, first + count) of x's digits: it takes at most kIntegerMaxRows.
+void vnni_rows(const kernel::IntegerProblem& all, int64_t first, int64_t count, int64_t begin, int64_t end) {
+  kernel::IntegerProblem p = all;
+  p.x.digits += first * kernel::kDigits * p.x.padded_k;
+  p.x.steps += first;
+  p.x.sums += first;
+  p.y += first * p.O;
+  p.M = count;
+  kernel::avx512_vnni::quantized_rows(p, begin, end);
+}
+
+// x as integer digits against int8 weights: on the tiles (blocks of 16 features; the rest, and
+// everything without tiles, on VNNI, 4 rows at a time). False, with nothing written, where x holds
+// an inf or a NaN (the float kernel then runs).
 bool run_integer_kernel(const Tensor& rows, const Tensor& weight, const Tensor& scale, const OptionalTensor& bias,
-                        const Tensor& y) {
+                        const Tensor& y, bool tiles) {
   const int64_t M = rows.size(0), K = rows.size(1), O = weight.size(0);
   const int64_t padded_k = (K + 63) / 64 * 64;
   const Tensor digits = at::empty({M * kernel::kDigits * padded_k}, rows.options().dtype(at::kChar));
-  std::array<double, kernel::kIntegerMaxRows> steps{};
-  std::array<int64_t, kernel::kIntegerMaxRows> sums{};
+  std::array<double, kernel::kLinearMaxRows> steps{};
+  std::array<int64_t, kernel::kLinearMaxRows> sums{};
   kernel::IntegerRows x{digits.data_ptr<int8_t>(), padded_k, steps.data(), sums.data()};
   if (!kernel::avx512_vnni::integer_rows(rows.data_ptr<float>(), M, K, x)) {
     return false;
@@ -123,8 +137,19 @@ bool run_integer_kernel(const Tensor& rows, const Tensor& weight, const Tensor& 
   const kernel::IntegerProblem problem{x, weight.data_ptr<int8_t>(), weight.stride(0), scale.data_ptr<float>(),
                                        float_bias.defined() ? float_bias.data_ptr<float>() : nullptr,
                                        out.data_ptr<float>(), M, K, O};
-  at::parallel_for(0, O, grain_of(K, 1), [&](int64_t begin, int64_t end) {
-    kernel::avx512_vnni::quantized_rows(problem, begin, end);
+  int64_t done = 0;
+  if (tiles) {
+    const std::unique_ptr<uint32_t[]> packed(new uint32_t[padded_k * M]);  // (not zeroed: all written)
+    kernel::amx::pack_digits(x, M, packed.get());
+    done = O / 16 * 16;
+    at::parallel_for(0, O / 16, std::max<int64_t>(1, grain_of(K, 1) / 16), [&](int64_t begin, int64_t end) {
+      kernel::amx::integer_tiles(problem, packed.get(), begin, end);
+    });
+  }
+  at::parallel_for(done, O, grain_of(K, 1), [&](int64_t begin, int64_t end) {
+    for (int64_t first = 0; first < M; first += kernel::kIntegerMaxRows) {
+      vnni_rows(problem, first, std::min(kernel::kIntegerMaxRows, M - first), begin, end);
+    }
   });
   if (!in_float) {
     y.copy_(out);
@@ -142,17 +167,37 @@ bool bfloat16_kernel_applies(bool int8_weights) {
   return has && forced.value_or(!int8_weights || cpu_vendor() == Vendor::kAmd);
 }
 
-// bfloat16 weights on AMX tiles (linear_kernel_amx.cpp) rather than the dot products, from
-// kAmxMinRows rows of x, where the CPU has AMX-BF16 and Linux grants the tile state (asked once):
-// there the dot products are bound by their instructions, the tiles by the read (docs/kernel_rules.md).
-// K a multiple of 32 (a tile's columns); the output features past the last 16 run on the dot
-// products. TORCHMHA_AMX_LINEAR=1 takes the tiles from 1 row, 0 never (the hardware is needed either way).
+// torchmha's AMX tiles (linear_kernel_amx.cpp) for `feature` (amx_bf16, amx_int8): the hardware,
+// and the tile state, which Linux grants a process on request (asked once). TORCHMHA_AMX_LINEAR=0
+// never takes them, 1 from 1 row (the hardware is needed either way; TORCHMHA_AMX does not move
+// this: it is the rules' view of ATen's AMX).
+std::optional<bool> amx_setting() {
+  static const std::optional<bool> forced = settings::read_switch("TORCHMHA_AMX_LINEAR");
+  return forced;
+}
+bool tiles_usable(const char* feature) {
+  static const bool granted = amx_setting().value_or(true) && cpu_capability() == Capability::kAvx512 &&
+      cpu_has_feature("amx_tile") && kernel::amx::request_tiles();
+  return granted && cpu_has_feature(feature);
+}
+
+// bfloat16 weights on the tiles rather than the dot products from kAmxMinRows rows of x: there the
+// dot products are bound by their instructions, the tiles by the read (docs/kernel_rules.md). K a
+// multiple of 32 (a tile's columns); the output features past the last 16 run on the dot products.
 constexpr int64_t kAmxMinRows = 3;
 bool amx_kernel_applies(int64_t M, int64_t K, int64_t O) {
-  static const std::optional<bool> forced = settings::read_switch("TORCHMHA_AMX_LINEAR");
-  static const bool usable = forced.value_or(true) && cpu_capability() == Capability::kAvx512 &&
-      cpu_has_feature("amx_bf16") && cpu_has_feature("avx512_bf16") && kernel::amx_bf16::request_tiles();
-  return usable && M >= (forced.value_or(false) ? 1 : kAmxMinRows) && K % 32 == 0 && O >= 16;
+  const int64_t min_rows = amx_setting().value_or(false) ? 1 : kAmxMinRows;
+  return M >= min_rows && K % 32 == 0 && O >= 16 && tiles_usable("amx_bf16") && cpu_has_feature("avx512_bf16");
+}
+
+// int8 weights on the tiles against x's integer digits (the VNNI kernel's, with the same results)
+// from kIntegerTilesMinRows rows, rather than VNNI or the float loop (docs/kernel_rules.md). K a
+// multiple of 64, at most kIntegerTilesMaxK; the features past the last 16 go to VNNI.
+constexpr int64_t kIntegerTilesMinRows = 2;
+bool integer_tiles_apply(int64_t M, int64_t K, int64_t O) {
+  const int64_t min_rows = amx_setting().value_or(false) ? 1 : kIntegerTilesMinRows;
+  return M >= min_rows && K % 64 == 0 && K <= kernel::amx::kIntegerTilesMaxK && O >= 16 &&
+      tiles_usable("amx_int8") && at::cpu::is_avx512_vnni_supported();
 }
 
 // (tiles: bfloat16 weights where amx_kernel_applies)
@@ -169,11 +214,11 @@ void run_bfloat16_kernel(const Tensor& x, const Tensor& weight, const OptionalTe
   int64_t done = 0;
   if constexpr (std::is_same_v<weight_t, uint16_t>) {
     if (tiles) {
-      std::vector<uint32_t> packed(K * kernel::kLinearMaxRows / 2);
-      kernel::amx_bf16::pack_rows(problem.x, problem.M, K, packed.data());
+      const std::unique_ptr<uint32_t[]> packed(new uint32_t[K * problem.M / 2]);  // (not zeroed: all written)
+      kernel::amx::pack_rows(problem.x, problem.M, K, packed.get());
       done = O / 16 * 16;
       at::parallel_for(0, O / 16, std::max<int64_t>(1, grain_of(K, 2) / 16), [&](int64_t begin, int64_t end) {
-        kernel::amx_bf16::tile_rows(problem, packed.data(), begin, end);
+        kernel::amx::bfloat16_tiles(problem, packed.get(), begin, end);
       });
     }
   }
@@ -214,7 +259,8 @@ bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& sca
   const int64_t K = x.size(-1), O = weight.size(0);
   const Tensor rows = x.reshape({-1, K}).to(at::kFloat).contiguous();
   if constexpr (std::is_same_v<weight_t, int8_t>) {
-    if (integer_kernel_applies(rows.size(0), K) && run_integer_kernel(rows, weight, *scale, bias, y)) {
+    const bool tiles = integer_tiles_apply(rows.size(0), K, O);
+    if ((tiles || integer_kernel_applies(rows.size(0), K)) && run_integer_kernel(rows, weight, *scale, bias, y, tiles)) {
       return true;
     }
     if (int8_sums_may_overflow(rows)) {

@@ -1,7 +1,8 @@
 """int8 weights for decoding (csrc/core/small_linear.cpp, csrc/cpu/small_linear_kernel.cpp): quantize_weight
 (symmetric, a float32 scale per output channel) and quantized_linear, y = (x W_q^T) * scale + b, by the CPU
 kernel for up to 8 rows of x (on AVX512-VNNI, up to 4 rows as exact integers: linear_kernel_vnni.cpp; on
-AVX512-BF16, 5-8 rows of bfloat16 x by bfloat16 dot products: linear_kernel_bf16.cpp), in blocks of 8 rows
+AMX-INT8, the same integers for 2-8 rows on tiles: linear_kernel_amx.cpp; on AVX512-BF16, 5-8 rows of
+bfloat16 x by bfloat16 dot products: linear_kernel_bf16.cpp), in blocks of 8 rows
 up to a limit (test_settings.py), and by the dequantizing reference elsewhere."""
 
 import pytest
@@ -148,6 +149,61 @@ assert bool((y == 0).all()) == {dot_products}, y
 """
     setting = {"TORCHMHA_AVX512_BF16": setting} if setting else {}
     run_python_with(code, set_env={"TORCHMHA_CPU_VENDOR": vendor, **setting}, unset=("TORCHMHA_AVX512_BF16",))
+
+
+needs_amx_int8 = pytest.mark.skipif(
+    not (torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_vnni_supported()
+         and torch.cpu._is_amx_tile_supported()),
+    reason="needs AMX-INT8")
+
+
+@needs_amx_int8
+def test_amx_tiles_sum_int8_rows_as_the_vnni_kernel_does():
+    """The tiles (blocks of 16 features) and the VNNI kernel (the features past them, at most 4 rows)
+    compute the same exact integers: features 33-47 of a 48-feature call (all on tiles) equal, bit
+    for bit, a call on those 15 weight rows alone (all on VNNI), for 2-8 rows, float32 and bfloat16
+    x, with bias, K of one and of many k-steps."""
+    from helpers import run_python_with
+    code = """
+import torch, torchmha
+ops = torch.ops.torchmha
+for K in (64, 2048):
+    q, scale = ops.quantize_weight(torch.randn(48, K))
+    q[0] = -128
+    b = torch.randn(48)
+    for rows in range(2, 9):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(rows, K) * torch.logspace(-3, 3, K)).to(dtype)
+            tiles = ops.quantized_linear(x, q, scale, b.to(dtype))[:, 33:]
+            vnni = torch.cat([ops.quantized_linear(x[r:r + 4], q[33:], scale[33:], b[33:].to(dtype))
+                              for r in range(0, rows, 4)])
+            assert torch.equal(tiles, vnni), (K, rows, dtype, (tiles - vnni).abs().max())
+"""
+    run_python_with(code, set_env={"TORCHMHA_VNNI": "1"}, unset=("TORCHMHA_AMX_LINEAR",))
+
+
+@needs_amx_int8
+def test_amx_tiles_take_int8_rows_from_two_rows():
+    """Integer x (|x| < 2^20) against random int8 weights: the integer digits give each dot product
+    exactly (then rounded once to float32), the float loop's float32 sums round on the way (some of
+    the 128 outputs differ). With VNNI off (Intel's default), the tiles take 2-8 rows (the float loop
+    1: measured, docs/kernel_rules.md); TORCHMHA_AMX_LINEAR=1 takes them from 1 row, 0 never."""
+    from helpers import run_python_with
+    code = """
+import torch, torchmha
+torch.manual_seed(0)
+x = torch.randint(-2**20, 2**20, (8, 2048)).float()
+q = torch.randint(-127, 128, (16, 2048), dtype=torch.int8)
+def exact(rows):
+    y = torch.ops.torchmha.quantized_linear(x[:rows], q, torch.ones(16), None)
+    return torch.equal(y, (x[:rows].double() @ q.double().T).float())
+"""
+    intel = {"TORCHMHA_CPU_VENDOR": "intel"}
+    run_python_with(code + "assert not exact(1) and exact(2) and exact(8)", set_env=intel,
+                    unset=("TORCHMHA_VNNI", "TORCHMHA_AMX_LINEAR"))
+    run_python_with(code + "assert exact(1)", set_env={**intel, "TORCHMHA_AMX_LINEAR": "1"}, unset=("TORCHMHA_VNNI",))
+    run_python_with(code + "assert not exact(8)", set_env={**intel, "TORCHMHA_AMX_LINEAR": "0"},
+                    unset=("TORCHMHA_VNNI",))
 
 
 def test_strided_rows_and_batched_input():

@@ -66,18 +66,6 @@ void bfloat16_rows(const BFloat16Problem<uint16_t>& p, int64_t begin, int64_t en
 void bfloat16_rows(const BFloat16Problem<int8_t>& p, int64_t begin, int64_t end);
 }  // namespace avx512_bf16
 
-/// bfloat16 x against bfloat16 weights on AMX-BF16 tiles (linear_kernel_amx.cpp): 16 output
-/// features a tile product, every row of x at once.
-namespace amx_bf16 {
-/// Asks Linux for this process's tile state; false where it is refused (no tile instruction may run).
-bool request_tiles();
-/// x (M <= kLinearMaxRows rows, K a multiple of 32) as the tiles' B operand, into `packed`:
-/// K * kLinearMaxRows / 2 pairs.
-void pack_rows(const uint16_t* x, int64_t M, int64_t K, uint32_t* packed);
-/// Output features [16 begin, 16 end) of `p` (K a multiple of 32), from pack_rows' x.
-void tile_rows(const BFloat16Problem<uint16_t>& p, const uint32_t* packed, int64_t begin, int64_t end);
-}  // namespace amx_bf16
-
 /// x as exact integers for int8 weights on AVX512-VNNI (linear_kernel_vnni.cpp): row m is
 /// u_m * steps[m] with u_m = sum_l digits[m][l] 256^l, each digit in [-128, 127], and sums[m] the
 /// sum of u_m over the row. Digit rows are padded_k long (K rounded up to 64), zero past K.
@@ -109,5 +97,25 @@ namespace avx512_vnni {
 bool integer_rows(const float* x, int64_t M, int64_t K, IntegerRows& out);
 void quantized_rows(const IntegerProblem& p, int64_t begin, int64_t end);
 }  // namespace avx512_vnni
+
+/// The small-batch linear on AMX tiles (linear_kernel_amx.cpp), 16 output features a tile product,
+/// every row of x (up to kLinearMaxRows) at once.
+namespace amx {
+/// Asks Linux for this process's tile state; false where it is refused (no tile instruction may run).
+bool request_tiles();
+/// bfloat16 x (M rows, K a multiple of 32) as the bfloat16 tiles' B operand, into `packed`:
+/// K * M / 2 words.
+void pack_rows(const uint16_t* x, int64_t M, int64_t K, uint32_t* packed);
+/// Output features [16 begin, 16 end) of `p` (AMX-BF16), from pack_rows' x.
+void bfloat16_tiles(const BFloat16Problem<uint16_t>& p, const uint32_t* packed, int64_t begin, int64_t end);
+/// x's integer digits (M rows, padded_k a multiple of 64) as the int8 tiles' B operands, into
+/// `packed`: padded_k * M words.
+void pack_digits(const IntegerRows& x, int64_t M, uint32_t* packed);
+/// Output features [16 begin, 16 end) of `p` (AMX-INT8; p.K a multiple of 64, at most
+/// kIntegerTilesMaxK; p.x.steps readable for M entries), from pack_digits' x.
+void integer_tiles(const IntegerProblem& p, const uint32_t* packed, int64_t begin, int64_t end);
+/// (each int32 sum gains at most 128 * 128 a column: 2^16 columns stay below 2^31)
+constexpr int64_t kIntegerTilesMaxK = int64_t(1) << 16;
+}  // namespace amx
 
 }  // namespace torchmha::cpu::kernel
