@@ -190,6 +190,33 @@ bool amx_kernel_applies(int64_t M, int64_t K, int64_t O) {
   return M >= min_rows && K % 32 == 0 && O >= 16 && tiles_usable("amx_bf16") && cpu_has_feature("avx512_bf16");
 }
 
+// float16 weights on the tiles (each value split into two bfloat16 halves) rather than the float
+// loop, from kHalfTilesMinRows rows (docs/kernel_rules.md). K a multiple of 32; the features past the
+// last 16 run on the float loop.
+constexpr int64_t kHalfTilesMinRows = 5;
+bool half_tiles_apply(int64_t M, int64_t K, int64_t O) {
+  const int64_t min_rows = amx_setting().value_or(false) ? 1 : kHalfTilesMinRows;
+  return M >= min_rows && K % 32 == 0 && O >= 16 && tiles_usable("amx_bf16") && cpu_has_feature("avx512_bf16");
+}
+
+// float16 x and weights on the tiles, for output features [0, 16 (O / 16)); returns that end.
+int64_t run_float16_tiles(const Tensor& x, const Tensor& weight, const OptionalTensor& bias, const Tensor& y) {
+  const int64_t K = x.size(-1), O = weight.size(0);
+  const Tensor rows = x.reshape({-1, K}).contiguous();
+  const auto bits = [](const Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::Half>()); };
+  const kernel::BFloat16Problem<uint16_t> problem{
+      bits(rows), reinterpret_cast<const uint16_t*>(weight.const_data_ptr()), weight.stride(0), nullptr,
+      is_present(bias) ? bits(*bias) : nullptr, bits(y), rows.size(0), K, O};
+  const int64_t M = problem.M;
+  const std::unique_ptr<uint16_t[]> halves(new uint16_t[2 * M * K]);
+  const std::unique_ptr<uint32_t[]> packed(new uint32_t[K * M]);  // (not zeroed: all written)
+  kernel::amx::pack_halves(problem.x, M, K, halves.get(), packed.get());
+  at::parallel_for(0, O / 16, std::max<int64_t>(1, grain_of(K, 2) / 16), [&](int64_t begin, int64_t end) {
+    kernel::amx::float16_tiles(problem, packed.get(), begin, end);
+  });
+  return O / 16 * 16;
+}
+
 // int8 weights on the tiles against x's integer digits (the VNNI kernel's, with the same results)
 // from kIntegerTilesMinRows rows, rather than VNNI or the float loop (docs/kernel_rules.md). K a
 // multiple of 64, at most kIntegerTilesMaxK; the features past the last 16 go to VNNI.
@@ -257,6 +284,15 @@ bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& sca
     }
   }
   const int64_t K = x.size(-1), O = weight.size(0);
+  int64_t done = 0;  // output features already computed
+  if constexpr (std::is_same_v<scalar_t, c10::Half> && std::is_same_v<weight_t, c10::Half>) {
+    if (half_tiles_apply(x.numel() / K, K, O)) {
+      done = run_float16_tiles(x, weight, bias, y);
+      if (done == O) {
+        return true;
+      }
+    }
+  }
   const Tensor rows = x.reshape({-1, K}).to(at::kFloat).contiguous();
   if constexpr (std::is_same_v<weight_t, int8_t>) {
     const bool tiles = integer_tiles_apply(rows.size(0), K, O);
@@ -280,7 +316,7 @@ bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& sca
       is_present(scale) ? scale->data_ptr<float>() : nullptr, is_present(bias) ? bias->data_ptr<scalar_t>() : nullptr,
       y.data_ptr<scalar_t>(), rows.size(0), K, O};
   const bool avx512 = cpu_capability() == Capability::kAvx512;
-  at::parallel_for(0, O, grain_of(K, sizeof(weight_t)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(done, O, grain_of(K, sizeof(weight_t)), [&](int64_t begin, int64_t end) {
     avx512 ? kernel::avx512::linear_rows(problem, begin, end) : kernel::avx2::linear_rows(problem, begin, end);
   });
   return true;

@@ -67,53 +67,61 @@ assert (y > 1e-9) == {}, y
 
 # One output feature whose sum depends on the order of its additions (exactly 14): AMX's tiles add
 # each pair of products to the running sum in turn, so 2^24 absorbs the ones before -2^24 cancels
-# it (0); the dot products keep the ones in other lanes (13).
+# it (0); the dot products and the float loop keep the ones in other lanes (13). (2^24 as 4096^2
+# for float16.)
 ORDER_PROBE = """
 import torch, torchmha
 w = torch.zeros(16, 32)
-w[:, 0], w[:, 2:30:2], w[:, 30] = 2.0**24, 1.0, -2.0**24
-def sums(rows):
-    x = torch.ones(rows, 32, dtype=torch.bfloat16)
-    return torch.ops.torchmha.small_linear(x, w.bfloat16(), None)[:, 0].tolist()
+w[:, 0], w[:, 2:30:2], w[:, 30] = 4096.0, 1.0, -4096.0
+def sums(rows, dtype=torch.bfloat16):
+    x = torch.ones(rows, 32)
+    x[:, 0] = x[:, 30] = 4096.0
+    return torch.ops.torchmha.small_linear(x.to(dtype), w.to(dtype), None)[:, 0].tolist()
 """
 
 
 @needs_amx_bf16
-def test_amx_tiles_take_bfloat16_weights_from_three_rows():
-    """With AMX-BF16, bfloat16 weights go to the tiles from 3 rows of x (the dot products from 1 to
-    2; docs/kernel_rules.md); TORCHMHA_AMX_LINEAR=1 takes them from 1 row, 0 never."""
-    run_python_with(ORDER_PROBE + "assert sums(2) == [13.0] * 2 and sums(3) == [0.0] * 3 and sums(8) == [0.0] * 8",
+def test_amx_tiles_take_bfloat16_weights_from_three_rows_and_float16_from_five():
+    """With AMX-BF16, bfloat16 weights go to the tiles from 3 rows of x (the dot products at 1-2),
+    float16 weights from 5 (the float loop at 1-4; docs/kernel_rules.md); TORCHMHA_AMX_LINEAR=1 takes
+    them from 1 row, 0 never."""
+    half = "torch.float16"
+    run_python_with(ORDER_PROBE + f"assert sums(2) == [13.0] * 2 and sums(3) == [0.0] * 3 and sums(8) == [0.0] * 8\n"
+                    f"assert sums(4, {half}) != [0.0] * 4 and sums(5, {half}) == [0.0] * 5 and sums(8, {half}) == [0.0] * 8",
                     unset=("TORCHMHA_AMX_LINEAR",))
-    run_python_with(ORDER_PROBE + "assert sums(1) == [0.0]", set_env={"TORCHMHA_AMX_LINEAR": "1"})
-    run_python_with(ORDER_PROBE + "assert sums(8) == [13.0] * 8", set_env={"TORCHMHA_AMX_LINEAR": "0"})
+    run_python_with(ORDER_PROBE + f"assert sums(1) == [0.0] and sums(1, {half}) == [0.0]",
+                    set_env={"TORCHMHA_AMX_LINEAR": "1"})
+    run_python_with(ORDER_PROBE + f"assert sums(8) == [13.0] * 8 and sums(8, {half}) != [0.0] * 8",
+                    set_env={"TORCHMHA_AMX_LINEAR": "0"})
 
 
 AMX_PARITY = """
 import sys; sys.path.insert(0, %r)
 import torch, torch.nn.functional as F, test_small_linear as t
-for rows in range(1, 9):
-    for K, O, bias in ((32, 16, False), (64, 40, True), (512, 2048, True), (2048, 512, False), (96, 301, True)):
-        t.test_small_linear_matches_linear(torch.bfloat16, rows, K, O, bias)
-    t.test_strided_weight_rows_and_batched_input(torch.bfloat16)
-    x = torch.randn(rows, 64, dtype=torch.bfloat16)
-    x[-1, 5], x[0, 7] = float("nan"), float("inf")
-    w = torch.randn(48, 64, dtype=torch.bfloat16)
-    w[3, 7] = 0.0
-    ours, torch_own = torch.ops.torchmha.small_linear(x, w, None), F.linear(x, w)
-    assert torch.equal(ours.isnan(), torch_own.isnan()) and torch.equal(ours.isinf(), torch_own.isinf())
+for dtype in (torch.bfloat16, torch.float16):
+    for rows in range(1, 9):
+        for K, O, bias in ((32, 16, False), (64, 40, True), (512, 2048, True), (2048, 512, False), (96, 301, True)):
+            t.test_small_linear_matches_linear(dtype, rows, K, O, bias)
+        t.test_strided_weight_rows_and_batched_input(dtype)
+        x = torch.randn(rows, 64, dtype=dtype)
+        x[-1, 5], x[0, 7] = float("nan"), float("inf")
+        w = torch.randn(48, 64, dtype=dtype)
+        w[3, 7], w[20, 9], w[40, 11] = 0.0, float("inf"), 6e-8  # (a float16 subnormal)
+        ours, torch_own = torch.ops.torchmha.small_linear(x, w, None), F.linear(x.float(), w.float()).to(dtype)
+        assert torch.equal(ours.isnan(), torch_own.isnan()) and torch.equal(ours.isinf(), torch_own.isinf())
 """
 
 
 @needs_amx_bf16
 def test_amx_tiles_match_linear():
-    """The tiles on every row count (TORCHMHA_AMX_LINEAR=1): K of one and of many tiles, output features
-    past the last 16 (on the dot products), bias, a packed in-projection's strided rows, NaN and
-    inf where torch has them."""
+    """The tiles on every row count (TORCHMHA_AMX_LINEAR=1), bfloat16 and float16 weights: K of one and
+    of many tiles, output features past the last 16 (on the dot products or the float loop), bias, a
+    packed in-projection's strided rows, NaN and inf in x and in the weights where torch has them."""
     import pathlib
     run_python_with(AMX_PARITY % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_AMX_LINEAR": "1"})
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_strided_weight_rows_and_batched_input(dtype):
     """A packed in-projection's q rows (a narrowed view, row stride K) and a (T, N, K) input."""
     packed = torch.randn(3 * 32, 32, dtype=dtype)

@@ -108,6 +108,12 @@ bool request_tiles();
 void pack_rows(const uint16_t* x, int64_t M, int64_t K, uint32_t* packed);
 /// Output features [16 begin, 16 end) of `p` (AMX-BF16), from pack_rows' x.
 void bfloat16_tiles(const BFloat16Problem<uint16_t>& p, const uint32_t* packed, int64_t begin, int64_t end);
+/// float16 x (bits; M rows, K a multiple of 32) split into bfloat16 halves (`halves`: 2 M K values)
+/// and packed as the float16 tiles' B operand, into `packed`: K * M words.
+void pack_halves(const uint16_t* x, int64_t M, int64_t K, uint16_t* halves, uint32_t* packed);
+/// Output features [16 begin, 16 end) of `p` (float16 bits in BFloat16Problem's layout) on AMX-BF16,
+/// from pack_halves' x.
+void float16_tiles(const BFloat16Problem<uint16_t>& p, const uint32_t* packed, int64_t begin, int64_t end);
 /// x's integer digits (M rows, padded_k a multiple of 64) as the int8 tiles' B operands, into
 /// `packed`: padded_k * M words.
 void pack_digits(const IntegerRows& x, int64_t M, uint32_t* packed);

@@ -13,6 +13,10 @@
 // Products of two bfloat16 values are exact in float and summed in float, as vdpbf16ps's are (and,
 // like it, subnormal inputs read as zero).
 //
+// float16 weights (no AMX-FP16 here): each value split exactly into two bfloat16 halves, the
+// weights' per k-step into an L1 buffer as the A tiles, x's once a call as B; the four products
+// of the halves are exact in float, so the sums are float16's own products summed in float.
+//
 // int8 weights: the weight tile is tdpbssd's A operand, in place; the B tiles are x's four base-256
 // digits (integer_rows), so each product is exact in int32 and the digits are combined exactly in
 // int64, as the VNNI kernel does: the same results, bit for bit, at any row count up to 8.
@@ -165,6 +169,63 @@ void prefetch_ahead(const char* w, int64_t stride, int64_t step, int64_t steps) 
   }
 }
 
+// 32 float16 values (bits) as two bfloat16 halves, exactly: high (the float's top 16 bits) and
+// low = value - high (float16's 11 significant bits leave at most 3 for it). inf keeps a zero low
+// half (inf - inf would be NaN); NaN stays NaN in both.
+void split_halves(const uint16_t* values, __m512i& high, __m512i& low) {
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 h[2], l[2];
+  for (int i = 0; i < 2; ++i) {
+    const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + 16 * i)));
+    h[i] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(f), top));
+    l[i] = _mm512_sub_ps(f, h[i]);
+  }
+  high = (__m512i)_mm512_cvtne2ps_pbh(h[1], h[0]);
+  low = (__m512i)_mm512_cvtne2ps_pbh(l[1], l[0]);
+}
+
+// y[m, o] of float16 values as a plain float sum (bias included): torch's answer where the halves'
+// cross products made a NaN of an infinite sum (0 x inf, a zero low half against an infinite
+// value); infinite and NaN sums come out the same in any order.
+float plain_sum(const BFloat16Problem<uint16_t>& p, int64_t m, int64_t o) {
+  float sum = 0.0f;
+  for (int64_t k = 0; k < p.K; ++k) {
+    sum += _cvtsh_ss(p.w[o * p.w_stride + k]) * _cvtsh_ss(p.x[m * p.K + k]);
+  }
+  return p.bias != nullptr ? sum + _cvtsh_ss(p.bias[o]) : sum;
+}
+
+// The C tiles of float16_tiles (features o .. o + 15; columns: rows of x against x's high halves,
+// then against its low halves; a tile for each half of the weights) into y's rows: the two columns of each row summed, plus bias; a
+// NaN there again as plain_sum.
+void store_half_features(const BFloat16Problem<uint16_t>& p, const float (*c)[16][16], int64_t o) {
+  const __m512i low_half = _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(static_cast<int>(p.M)));
+  alignas(64) float sums[16][kTileRows];
+  for (int i = 0; i < 16; ++i) {
+    const __m512 row = _mm512_add_ps(_mm512_load_ps(c[0][i]), _mm512_load_ps(c[1][i]));
+    const __m512 total = _mm512_add_ps(row, _mm512_permutexvar_ps(low_half, row));
+    _mm256_store_ps(sums[i], _mm512_castps512_ps256(total));
+  }
+  __m512 rows[kTileRows];
+  transpose_tile(sums, rows);
+  const __m512 bias = p.bias != nullptr
+      ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.bias + o)))
+      : _mm512_setzero_ps();
+  for (int64_t m = 0; m < p.M; ++m) {
+    __m512 y = p.bias != nullptr ? _mm512_add_ps(rows[m], bias) : rows[m];
+    if (const __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q)) {
+      alignas(64) float values[16];
+      _mm512_store_ps(values, y);
+      for (int i = 0; i < 16; ++i) {
+        if ((nan >> i) & 1) values[i] = plain_sum(p, m, o + i);
+      }
+      y = _mm512_load_ps(values);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.y + m * p.O + o), _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT));
+  }
+}
+
 // 16 words of each of `rows` source rows (at most 8, `stride` words apart) transposed: 16 rows of
 // `rows` words, `out_stride` words apart. Through unpacks and lane shuffles.
 void transpose_words(const uint32_t* source, int64_t stride, int64_t rows, uint32_t* out, int64_t out_stride) {
@@ -224,6 +285,71 @@ void bfloat16_tiles(const BFloat16Problem<uint16_t>& p, const uint32_t* packed, 
     }
     _tile_stored(0, c, kTileRows * 4);
     store_features(p, c, block * 16);
+  }
+  _tile_release();
+}
+
+void pack_halves(const uint16_t* x, int64_t M, int64_t K, uint16_t* halves, uint32_t* packed) {
+  // x's rows split (split_halves) into `halves` (M high rows, then M low rows, K each); each 32
+  // columns' B tile: 16 pair rows of 2M words, high halves' columns first
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512i high, low;
+      split_halves(x + m * K + k, high, low);
+      _mm512_storeu_si512(halves + m * K + k, high);
+      _mm512_storeu_si512(halves + (M + m) * K + k, low);
+    }
+  }
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(halves);
+  for (int64_t block = 0; block < K / 32; ++block) {
+    uint32_t* tile = packed + block * 16 * 2 * M;
+    transpose_words(words + block * 16, K / 2, M, tile, 2 * M);
+    transpose_words(words + M * K / 2 + block * 16, K / 2, M, tile + M, 2 * M);
+  }
+}
+
+void float16_tiles(const BFloat16Problem<uint16_t>& p, const uint32_t* packed, int64_t begin, int64_t end) {
+  // Tiles 0 and 4: C (16 features x 2M columns, float; the weights' high and low halves), 1 and 3: A
+  // (16 weight rows x 32, high and low halves), 2: B (16 k pairs x 2M: x's high halves, then its
+  // low halves). (w_h + w_l)(x_h + x_l): every product exact in float, as float16's own are.
+  TileConfig config;
+  for (int t = 0; t < 5; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = static_cast<uint16_t>(t == 1 || t == 3 ? 64 : p.M * 8);
+  }
+  _tile_loadconfig(&config);
+  const int64_t stride = p.w_stride * 2, steps = p.K / 32;
+  // The weights' halves, a k-step ahead of the tiles that load them (two buffers: a tile load
+  // right after the stores it reads waits for them)
+  alignas(64) uint16_t high[2][16][32], low[2][16][32];
+  const auto split_step = [&](const char* w, int64_t step) {
+    for (int row = 0; row < 16; ++row) {
+      __m512i h, l;
+      split_halves(reinterpret_cast<const uint16_t*>(w + row * stride + step * 64), h, l);
+      _mm512_store_si512(high[step & 1][row], h);
+      _mm512_store_si512(low[step & 1][row], l);
+    }
+  };
+  alignas(64) float c[2][16][16];
+  for (int64_t block = begin; block < end; ++block) {
+    const char* w = reinterpret_cast<const char*>(p.w + block * 16 * p.w_stride);
+    _tile_zero(0);
+    _tile_zero(4);
+    split_step(w, 0);
+    for (int64_t step = 0; step < steps; ++step) {
+      prefetch_ahead(w, stride, step, steps);
+      _tile_loadd(2, packed + step * 16 * 2 * p.M, p.M * 8);
+      _tile_loadd(1, high[step & 1], 64);
+      _tile_dpbf16ps(0, 1, 2);
+      _tile_loadd(3, low[step & 1], 64);
+      _tile_dpbf16ps(4, 3, 2);
+      if (step + 1 < steps) {
+        split_step(w, step + 1);
+      }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(4, c[1], 64);
+    store_half_features(p, c, block * 16);
   }
   _tile_release();
 }
