@@ -153,8 +153,8 @@ assert bool((y == 0).all()) == {dot_products}, y
 
 needs_amx_int8 = pytest.mark.skipif(
     not (torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_vnni_supported()
-         and torch.cpu._is_amx_tile_supported()),
-    reason="needs AMX-INT8")
+         and torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()),
+    reason="needs AMX-INT8 and the tile state from Linux")
 
 
 @needs_amx_int8

@@ -16,8 +16,8 @@ needs_avx512_bf16 = pytest.mark.skipif(
     reason="needs AVX512-BF16")
 needs_amx_bf16 = pytest.mark.skipif(
     not (torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported()
-         and torch.cpu._is_amx_tile_supported()),
-    reason="needs AMX-BF16")
+         and torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()),
+    reason="needs AMX-BF16 and the tile state from Linux")
 # Against float64: the kernel's error within a small multiple of torch's own (F.linear in the dtype).
 SLACK = {torch.float32: 1e-5, torch.bfloat16: 0, torch.float16: 0}
 
