@@ -50,6 +50,20 @@ bool kernel_applies(const Tensor& x, const Tensor& weight, const OptionalTensor&
       (!is_present(bias) || per_row(*bias, dtype));
 }
 
+// torchmha's AMX tiles (linear_kernel_amx.cpp) for `feature` (amx_bf16, amx_int8): the hardware,
+// and the tile state, which Linux grants a process on request (asked once). TORCHMHA_AMX_LINEAR=0
+// never takes them, 1 from 1 row (the hardware is needed either way; TORCHMHA_AMX does not move
+// this: it is the rules' view of ATen's AMX).
+std::optional<bool> amx_setting() {
+  static const std::optional<bool> forced = settings::read_switch("TORCHMHA_AMX_LINEAR");
+  return forced;
+}
+bool tiles_usable(const char* feature) {
+  static const bool granted = amx_setting().value_or(true) && cpu_capability() == Capability::kAvx512 &&
+      cpu_has_feature("amx_tile") && kernel::amx::request_tiles();
+  return granted && cpu_has_feature(feature);
+}
+
 // Rows of x up to which the kernel takes a call in blocks of kLinearMaxRows (a pass over the weights
 // each) rather than leaving it to a GEMM (docs/kernel_rules.md). Measured on each kind with AVX-512
 // (2 threads, alternated in one process, a decoding step's 36 weights, 512x512 to 2048x512, against
@@ -67,11 +81,20 @@ bool kernel_applies(const Tensor& x, const Tensor& weight, const OptionalTensor&
 // than the GEMM). bfloat16 x keeps 32 int8 rows and no float blocks: its GEMM (oneDNN on
 // AVX512-BF16 or AMX) overtook the blocks between 32 and 64 rows on AMD (549 against 326 GFLOP/s at
 // 128) and from 16 rows on Intel (290 against 169). Other CPUs (AVX2, other vendors): the same, not
-// measured. TORCHMHA_LINEAR_BLOCKED_ROWS=R sets the limit for every weight.
+// measured. With AMX tiles (bfloat16 x and weights, K a multiple of 32): 16 rows for weights of
+// 256 KiB to 2 MiB (Intel Xeon with AMX: 0.59-0.74 of F.linear's time at 9-16 rows; 8-32 MiB
+// weights 1.13-1.29, as each block re-reads them past L2; 128 KiB 1.03 at 16).
+// TORCHMHA_LINEAR_BLOCKED_ROWS=R sets the limit for every weight.
 int64_t blocked_rows(const Tensor& x, const Tensor& weight, bool quantized) {
   static const std::optional<int64_t> forced = settings::read_count("TORCHMHA_LINEAR_BLOCKED_ROWS", "rows of x");
   if (forced.has_value()) {
     return *forced;
+  }
+  const int64_t bytes = weight.numel() * static_cast<int64_t>(weight.element_size());
+  if (!quantized && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+      x.size(-1) % 32 == 0 && weight.size(0) >= 16 && bytes >= (int64_t(256) << 10) && bytes <= (int64_t(2) << 20) &&
+      tiles_usable("amx_bf16") && cpu_has_feature("avx512_bf16")) {
+    return 16;
   }
   const Vendor vendor = cpu_capability() == Capability::kAvx512 ? cpu_vendor() : Vendor::kOther;
   const bool measured = vendor == Vendor::kAmd || vendor == Vendor::kIntel;
@@ -165,20 +188,6 @@ bool bfloat16_kernel_applies(bool int8_weights) {
   static const std::optional<bool> forced = settings::read_switch("TORCHMHA_AVX512_BF16");
   static const bool has = cpu_capability() == Capability::kAvx512 && cpu_has_feature("avx512_bf16");
   return has && forced.value_or(!int8_weights || cpu_vendor() == Vendor::kAmd);
-}
-
-// torchmha's AMX tiles (linear_kernel_amx.cpp) for `feature` (amx_bf16, amx_int8): the hardware,
-// and the tile state, which Linux grants a process on request (asked once). TORCHMHA_AMX_LINEAR=0
-// never takes them, 1 from 1 row (the hardware is needed either way; TORCHMHA_AMX does not move
-// this: it is the rules' view of ATen's AMX).
-std::optional<bool> amx_setting() {
-  static const std::optional<bool> forced = settings::read_switch("TORCHMHA_AMX_LINEAR");
-  return forced;
-}
-bool tiles_usable(const char* feature) {
-  static const bool granted = amx_setting().value_or(true) && cpu_capability() == Capability::kAvx512 &&
-      cpu_has_feature("amx_tile") && kernel::amx::request_tiles();
-  return granted && cpu_has_feature(feature);
 }
 
 // bfloat16 weights on the tiles rather than the dot products from kAmxMinRows rows of x: there the

@@ -330,8 +330,9 @@ def test_rows_past_the_kernel_go_in_blocks_up_to_the_rule_then_to_a_gemm(vendor)
     GEMM (a linear) takes it beyond. With AVX-512, for float32 and float16 x: on AMD int8 weights and
     float weights of 2^18 elements up to 16 MiB up to 1024 rows, larger float weights up to 64; on
     Intel int8 up to 64 rows, float32 up to 32 (16 past 16 MiB) and float16 none; elsewhere and for bfloat16, 32
-    int8 rows and no float blocks (measured: small_linear_kernel.cpp). TORCHMHA_CPU_VENDOR names the
-    vendor (with the AVX2 copy every vendor gets the last); the row setting moves the limit."""
+    int8 rows and no float blocks, but bfloat16 weights of 256 KiB to 2 MiB up to 16 rows where AMX tiles
+    run (any vendor: the hardware decides; measured: small_linear_kernel.cpp). TORCHMHA_CPU_VENDOR names
+    the vendor (with the AVX2 copy every vendor gets the last); the row setting moves the limit."""
     limits = BLOCK_LIMITS[vendor if torch.backends.cpu.get_cpu_capability() == "AVX512" else "other"]
     code = LINEAR_BLOCKS + f"""
 int8, f32, f16, huge = {limits}
@@ -342,7 +343,10 @@ for dtype, float_limit in ((torch.float32, f32), (torch.float16, f16)):
     assert not blocks(9, dtype, 511, 512, False)  # (under 2^18 elements)
 assert up_to(huge, torch.float32, 4096, 1025, False)
 assert up_to(f32, torch.float32, 4096, 1024, False) and up_to(f16, torch.float16, 4096, 2048, False)  # (16 MiB)
-assert up_to(32, torch.bfloat16) and not blocks(9, torch.bfloat16, 512, 512, False)
+tiles = (torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported()
+         and torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
+assert up_to(32, torch.bfloat16) and up_to(16 if tiles else 0, torch.bfloat16, 512, 512, False)
+assert not blocks(9, torch.bfloat16, 256, 480, False) and not blocks(9, torch.bfloat16, 1025, 1024, False)  # (256 KiB-2 MiB)
 """
     run_python_with(code, set_env={"TORCHMHA_CPU_VENDOR": vendor}, unset=("TORCHMHA_LINEAR_BLOCKED_ROWS",))
     forced = LINEAR_BLOCKS + \
