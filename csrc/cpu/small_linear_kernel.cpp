@@ -50,18 +50,26 @@ bool kernel_applies(const Tensor& x, const Tensor& weight, const OptionalTensor&
       (!is_present(bias) || per_row(*bias, dtype));
 }
 
-// torchmha's AMX tiles (linear_kernel_amx.cpp) for `feature` (amx_bf16, amx_int8): the hardware,
-// and the tile state, which Linux grants a process on request (asked once). TORCHMHA_AMX_LINEAR=0
-// never takes them, 1 from 1 row (the hardware is needed either way; TORCHMHA_AMX does not move
-// this: it is the rules' view of ATen's AMX).
+// torchmha's AMX tiles (linear_kernel_amx.cpp): the hardware, and the tile state, which Linux
+// grants a process on request (at::cpu::init_amx, asked once; oneDNN asks the same). That file is
+// built for AVX512-BF16 too, so every tile path needs it. TORCHMHA_AMX_LINEAR=0 never takes them,
+// 1 from 1 row (the hardware is needed either way; TORCHMHA_AMX does not move this: it is the
+// rules' view of ATen's AMX).
 std::optional<bool> amx_setting() {
   static const std::optional<bool> forced = settings::read_switch("TORCHMHA_AMX_LINEAR");
   return forced;
 }
-bool tiles_usable(const char* feature) {
+enum class Tiles { kBFloat16, kInt8 };
+bool tiles_usable(Tiles tiles) {
   static const bool granted = amx_setting().value_or(true) && cpu_capability() == Capability::kAvx512 &&
-      cpu_has_feature("amx_tile") && kernel::amx::request_tiles();
-  return granted && cpu_has_feature(feature);
+      cpu_has_feature("avx512_bf16") && at::cpu::init_amx();
+  static const bool bf16 = granted && cpu_has_feature("amx_bf16");
+  static const bool int8 = granted && cpu_has_feature("amx_int8") && at::cpu::is_avx512_vnni_supported();
+  return tiles == Tiles::kBFloat16 ? bf16 : int8;
+}
+// From how many rows of x a tile path takes a call: its measured count, or 1 under TORCHMHA_AMX_LINEAR=1.
+int64_t tile_min_rows(int64_t measured) {
+  return amx_setting().value_or(false) ? 1 : measured;
 }
 
 // Rows of x up to which the kernel takes a call in blocks of kLinearMaxRows (a pass over the weights
@@ -93,7 +101,7 @@ int64_t blocked_rows(const Tensor& x, const Tensor& weight, bool quantized) {
   const int64_t bytes = weight.numel() * static_cast<int64_t>(weight.element_size());
   if (!quantized && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
       x.size(-1) % 32 == 0 && weight.size(0) >= 16 && bytes >= (int64_t(256) << 10) && bytes <= (int64_t(2) << 20) &&
-      tiles_usable("amx_bf16") && cpu_has_feature("avx512_bf16")) {
+      tiles_usable(Tiles::kBFloat16)) {
     return 16;
   }
   const Vendor vendor = cpu_capability() == Capability::kAvx512 ? cpu_vendor() : Vendor::kOther;
@@ -117,6 +125,14 @@ int64_t blocked_rows(const Tensor& x, const Tensor& weight, bool quantized) {
 // Tasks of at least 64 KiB of weights: below that, waking a thread costs more than it saves.
 int64_t grain_of(int64_t K, int64_t element_size) {
   return std::max<int64_t>(8, 65536 / (K * element_size));
+}
+
+// fn(begin, end) over blocks [begin, end) of 16 output features (a tile's), split over threads as
+// grain_of splits features; returns the features covered, O rounded down to 16.
+template <typename Fn>
+int64_t for_each_tile_block(int64_t O, int64_t K, int64_t element_size, const Fn& fn) {
+  at::parallel_for(0, O / 16, std::max<int64_t>(1, grain_of(K, element_size) / 16), fn);
+  return O / 16 * 16;
 }
 
 // int8 weights through AVX512-VNNI's integer dot products (linear_kernel_vnni.cpp), for up to
@@ -164,8 +180,7 @@ bool run_integer_kernel(const Tensor& rows, const Tensor& weight, const Tensor& 
   if (tiles) {
     const std::unique_ptr<uint32_t[]> packed(new uint32_t[padded_k * M]);  // (not zeroed: all written)
     kernel::amx::pack_digits(x, M, packed.get());
-    done = O / 16 * 16;
-    at::parallel_for(0, O / 16, std::max<int64_t>(1, grain_of(K, 1) / 16), [&](int64_t begin, int64_t end) {
+    done = for_each_tile_block(O, K, 1, [&](int64_t begin, int64_t end) {
       kernel::amx::integer_tiles(problem, packed.get(), begin, end);
     });
   }
@@ -195,8 +210,7 @@ bool bfloat16_kernel_applies(bool int8_weights) {
 // multiple of 32 (a tile's columns); the output features past the last 16 run on the dot products.
 constexpr int64_t kAmxMinRows = 3;
 bool amx_kernel_applies(int64_t M, int64_t K, int64_t O) {
-  const int64_t min_rows = amx_setting().value_or(false) ? 1 : kAmxMinRows;
-  return M >= min_rows && K % 32 == 0 && O >= 16 && tiles_usable("amx_bf16") && cpu_has_feature("avx512_bf16");
+  return M >= tile_min_rows(kAmxMinRows) && K % 32 == 0 && O >= 16 && tiles_usable(Tiles::kBFloat16);
 }
 
 // float16 weights on the tiles (each value split into two bfloat16 halves) rather than the float
@@ -204,8 +218,7 @@ bool amx_kernel_applies(int64_t M, int64_t K, int64_t O) {
 // last 16 run on the float loop.
 constexpr int64_t kHalfTilesMinRows = 5;
 bool half_tiles_apply(int64_t M, int64_t K, int64_t O) {
-  const int64_t min_rows = amx_setting().value_or(false) ? 1 : kHalfTilesMinRows;
-  return M >= min_rows && K % 32 == 0 && O >= 16 && tiles_usable("amx_bf16") && cpu_has_feature("avx512_bf16");
+  return M >= tile_min_rows(kHalfTilesMinRows) && K % 32 == 0 && O >= 16 && tiles_usable(Tiles::kBFloat16);
 }
 
 // float16 x and weights on the tiles, for output features [0, 16 (O / 16)); returns that end.
@@ -220,10 +233,9 @@ int64_t run_float16_tiles(const Tensor& x, const Tensor& weight, const OptionalT
   const std::unique_ptr<uint16_t[]> halves(new uint16_t[2 * M * K]);
   const std::unique_ptr<uint32_t[]> packed(new uint32_t[K * M]);  // (not zeroed: all written)
   kernel::amx::pack_halves(problem.x, M, K, halves.get(), packed.get());
-  at::parallel_for(0, O / 16, std::max<int64_t>(1, grain_of(K, 2) / 16), [&](int64_t begin, int64_t end) {
+  return for_each_tile_block(O, K, 2, [&](int64_t begin, int64_t end) {
     kernel::amx::float16_tiles(problem, packed.get(), begin, end);
   });
-  return O / 16 * 16;
 }
 
 // int8 weights on the tiles against x's integer digits (the VNNI kernel's, with the same results)
@@ -231,9 +243,8 @@ int64_t run_float16_tiles(const Tensor& x, const Tensor& weight, const OptionalT
 // multiple of 64, at most kIntegerTilesMaxK; the features past the last 16 go to VNNI.
 constexpr int64_t kIntegerTilesMinRows = 2;
 bool integer_tiles_apply(int64_t M, int64_t K, int64_t O) {
-  const int64_t min_rows = amx_setting().value_or(false) ? 1 : kIntegerTilesMinRows;
-  return M >= min_rows && K % 64 == 0 && K <= kernel::amx::kIntegerTilesMaxK && O >= 16 &&
-      tiles_usable("amx_int8") && at::cpu::is_avx512_vnni_supported();
+  return M >= tile_min_rows(kIntegerTilesMinRows) && K % 64 == 0 && K <= kernel::amx::kIntegerTilesMaxK && O >= 16 &&
+      tiles_usable(Tiles::kInt8);
 }
 
 // (tiles: bfloat16 weights where amx_kernel_applies)
@@ -252,8 +263,7 @@ void run_bfloat16_kernel(const Tensor& x, const Tensor& weight, const OptionalTe
     if (tiles) {
       const std::unique_ptr<uint32_t[]> packed(new uint32_t[K * problem.M / 2]);  // (not zeroed: all written)
       kernel::amx::pack_rows(problem.x, problem.M, K, packed.get());
-      done = O / 16 * 16;
-      at::parallel_for(0, O / 16, std::max<int64_t>(1, grain_of(K, 2) / 16), [&](int64_t begin, int64_t end) {
+      done = for_each_tile_block(O, K, 2, [&](int64_t begin, int64_t end) {
         kernel::amx::bfloat16_tiles(problem, packed.get(), begin, end);
       });
     }

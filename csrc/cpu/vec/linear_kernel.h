@@ -101,8 +101,6 @@ void quantized_rows(const IntegerProblem& p, int64_t begin, int64_t end);
 /// The small-batch linear on AMX tiles (linear_kernel_amx.cpp), 16 output features a tile product,
 /// every row of x (up to kLinearMaxRows) at once.
 namespace amx {
-/// Asks Linux for this process's tile state; false where it is refused (no tile instruction may run).
-bool request_tiles();
 /// bfloat16 x (M rows, K a multiple of 32) as the bfloat16 tiles' B operand, into `packed`:
 /// K * M / 2 words.
 void pack_rows(const uint16_t* x, int64_t M, int64_t K, uint32_t* packed);

@@ -26,8 +26,6 @@
 #include "linear_kernel.h"
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstdint>
 #include <cstring>
@@ -248,14 +246,6 @@ void transpose_words(const uint32_t* source, int64_t stride, int64_t rows, uint3
 }
 
 }  // namespace
-
-bool request_tiles() {
-  // (Linux 5.16+: a process asks once for the tile state, XFEATURE_XTILEDATA, before its first
-  // tile instruction; oneDNN asks the same when torch runs its own AMX GEMMs)
-  constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
-  constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
-  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-}
 
 void pack_rows(const uint16_t* x, int64_t M, int64_t K, uint32_t* packed) {
   // As 32-bit pairs, x is (M, K / 2): B is its transpose, 16 pairs (32 columns) a tile, M wide
