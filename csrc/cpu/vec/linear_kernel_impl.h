@@ -187,10 +187,20 @@ void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan
 // loads are the bound: 0.70-0.85x at 3-4 rows, 0.96-1.06x at 8; again with the unrolled loop's registers,
 // float16 0.89-0.93x at 4-8 rows (1.11x at 3 alone), bfloat16 0.84x at 3, 0.91x at 8. Not the
 // AVX2 copy (8 accumulators): float32 0.81x at 3 rows, 0.98x at 4 on that CPU.
+//
+// int8 weights at one row of x, on AVX-512: four features a pass. A row of int8 weights is a
+// quarter of float32's bytes for the same sums and reductions, so one feature a pass was bound by
+// its instructions on short rows (K = 512: 0.73-0.79 of a sum over the same bytes); four adjacent
+// rows are one contiguous block, which the prefetchers still follow. Intel Xeon with AMX (2
+// threads, each shape repeated to 16 MB, against a sum over its bytes as float32, alternated in
+// one process): 512x512 0.90-0.96 of the sum against 0.77-0.79 one at a time, 1536x512 0.91-0.97
+// against 0.75-0.76, 2048x512 0.92-0.96 against 0.68-0.77, 512x2048 0.91-0.94 against 0.85-0.87,
+// 4096x4096 0.85-0.97 against 0.81-0.86; eight a pass 0.79-0.89. (AMD takes VNNI there.)
 template <typename scalar_t, typename weight_t, int M>
 void features_in(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64_t end, const KSpan& span) {
   constexpr bool pairs = V::size() == 16 && M >= 3 && (std::is_same_v<weight_t, float> || std::is_same_v<weight_t, int8_t>);
-  constexpr int F = pairs ? 2 : 1;
+  constexpr bool quads = V::size() == 16 && M == 1 && std::is_same_v<weight_t, int8_t>;
+  constexpr int F = pairs ? 2 : quads ? 4 : 1;
   int64_t o = begin;
   for (; o + F <= end; o += F) features<scalar_t, weight_t, M, F>(p, o, span);
   for (; o < end; ++o) features<scalar_t, weight_t, M, 1>(p, o, span);
