@@ -1,0 +1,123 @@
+"""step_split: where a batch-1 generation step's time goes (issue 34 item 2: "where a step's own
+overhead stops it, show the split"). For the generation model (cases/generation.py) in float32,
+bfloat16 and with int8 weights, in one process: a step of torchmha.CachedDecoder, its 36 matrix
+products alone (the same weights and kernel, one row of x), its 12 attention kernels alone, the
+Python shell's work, and the read of the same weight bytes by torch's sum, over the 36 tensors
+and over one buffer of their size. Informational: the targets are generation's and
+generation_int8's rows; this one says which part stops them."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import torchmha
+
+from cases.generation import GENERATION_MODEL, generation_inputs, generation_model
+from harness import Row, Settings, case, median_ms
+
+# (dtype of the model, weight_dtype of CachedDecoder); prompt 16, then G new tokens (--quick: G / 4)
+SPLIT_SETTINGS = ((torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.int8))
+PROMPT, NEW_TOKENS = 16, 64
+
+
+def step_products(params: list, scales: list) -> list:
+    """The step's 36 (weight, scale) pairs: each layer's self in-projection and out-projection, the
+    cross-attention's query rows and out-projection, linear1, linear2 (the memory's key and value
+    rows are projected once, by new_state)."""
+    E, slots = GENERATION_MODEL["E"], 18  # functional.h: 18 parameters a layer
+    pairs = []
+    for layer in range(GENERATION_MODEL["layers"]):
+        base = layer * slots
+        for slot, rows in ((0, None), (2, None), (4, E), (6, None), (8, None), (10, None)):
+            weight, scale = params[base + slot], scales[base + slot] if scales else None
+            pairs.append((weight[:rows] if rows else weight, scale[:rows] if scale is not None and rows else scale))
+    return pairs
+
+
+def products_call(pairs: list, x_dtype: torch.dtype):
+    ops = torch.ops.torchmha
+    xs = {w.shape[1]: torch.randn(1, 1, w.shape[1], dtype=x_dtype) for w, _ in pairs}
+    if pairs[0][1] is not None:
+        return lambda: [ops.quantized_linear(xs[w.shape[1]], w, s, None) for w, s in pairs]
+    return lambda: [ops.small_linear(xs[w.shape[1]], w, None) for w, _ in pairs]
+
+
+def attention_call(dtype: torch.dtype, length: int):
+    """The step's attention kernels alone: per layer the cached self-attention over `length`
+    positions (its lengths put back each call, one small op more) and the cross-attention over the
+    memory; warm, where in a step the keys and values arrive after the weights have passed through
+    the caches."""
+    ops, g = torch.ops.torchmha, GENERATION_MODEL
+    H, D, S = g["H"], g["E"] // g["H"], g["S"]
+    like = dict(dtype=dtype)
+    q = torch.randn(1, H, 1, D, **like)
+    caches = [(torch.randn(1, H, length + 1, D, **like), torch.randn(1, H, length + 1, D, **like))
+              for _ in range(g["layers"])]
+    memory = [(torch.randn(1, H, S, D, **like), torch.randn(1, H, S, D, **like)) for _ in range(g["layers"])]
+    lengths = torch.full((1,), length, dtype=torch.long)
+
+    def run() -> None:
+        for (k, v), (mk, mv) in zip(caches, memory):
+            ops.decode_attention(q, q, q, k, v, lengths, None, None, 0.0)
+            lengths.fill_(length)
+            ops.static_attention(q, mk, mv, None)
+    return run
+
+
+def step_ms(decoder: torchmha.CachedDecoder, memory: Tensor, prompt: Tensor, new: Tensor,
+            settings: Settings) -> float:
+    """ms a new token: a whole generation less its new_state and prefill, over the new tokens."""
+    G = new.shape[0]
+
+    def start() -> torchmha.cached_decoder.DecoderState:
+        state = decoder.new_state(1, PROMPT + G, memory=memory)
+        decoder(prompt, state)
+        return state
+
+    def generate() -> None:
+        state = start()
+        for i in range(G):
+            decoder(new[i : i + 1], state)
+    return (median_ms(generate, settings.min_run_time) - median_ms(start, settings.min_run_time)) / G
+
+
+def split_row(dtype: torch.dtype, weight_dtype, settings: Settings) -> Row:
+    G = NEW_TOKENS // 4 if settings.quick else NEW_TOKENS
+    model = generation_model(dtype, settings.device)
+    memory, prompt, new = generation_inputs(1, PROMPT, G, dtype, settings.device)
+    decoder = torchmha.CachedDecoder(model, weight_dtype=weight_dtype)
+    with torch.inference_mode():
+        params, scales = decoder._step_params()
+        pairs = step_products(params, scales)
+        weights = [w for w, _ in pairs]
+        nbytes = sum(w.numel() * w.element_size() for w in weights)
+        # (an int8 sum accumulates in int64, slower than reading: the same bytes seen as float32)
+        same_bytes = [w.contiguous().view(torch.float32) if w.dtype == torch.int8 else w for w in weights]
+        one_buffer = torch.ones(nbytes // 4)
+        times = {
+            "ours": step_ms(decoder, memory, prompt, new, settings),
+            "products": median_ms(products_call(pairs, dtype), settings.min_run_time),
+            "attention": median_ms(attention_call(dtype, PROMPT + G // 2), settings.min_run_time),
+            "sum36": median_ms(lambda: [w.sum() for w in same_bytes], settings.min_run_time),
+            "sum1": median_ms(lambda: one_buffer.sum(), settings.min_run_time),
+        }
+        shell_ms = median_ms(decoder._step_params, settings.min_run_time)
+    rest = times["ours"] - times["products"] - times["attention"]
+    name = "int8 weights" if weight_dtype == torch.int8 else str(dtype).removeprefix("torch.")
+    setting = (f"{name}, N=1, prompt {PROMPT}, {G} new tokens (attention at {PROMPT + G // 2} positions); "
+               f"nn.Transformer decoder E={GENERATION_MODEL['E']}, {GENERATION_MODEL['layers']} layers")
+    rate = {peer: nbytes / times[peer] / 1e6 for peer in ("products", "sum36", "sum1")}
+    notes = (f"ms a token: step {times['ours']:.3f} = products {times['products']:.3f} ({rate['products']:.1f} GB/s; "
+             f"sum over the 36 {rate['sum36']:.1f}, over one buffer {rate['sum1']:.1f}) + attention kernels "
+             f"{times['attention']:.3f} (warm) + the rest {rest:.3f} (norms, activation, views, dispatch; the "
+             f"Python shell's parameter read {1e3 * shell_ms:.1f} us of it)")
+    data = {"ms": times, "rest_ms": rest, "shell_ms": shell_ms, "GBps": rate, "weight_bytes": nbytes}
+    return Row("step_split", setting, times, None, None, None, notes, data)
+
+
+@case
+def step_split(settings: Settings) -> list[Row]:
+    """A batch-1 step's time split into its products, attention kernels and the rest, against the
+    read of its weights (informational; no target)."""
+    return [split_row(dtype, weight_dtype, settings) for dtype, weight_dtype in SPLIT_SETTINGS]
