@@ -109,6 +109,21 @@ def test_without_vnni_the_float_conversion_computes_the_same():
     run_python_with(code % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_VNNI": "0"})
 
 
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="needs AVX-512")
+def test_one_row_takes_four_features_a_pass_in_the_float_loop():
+    """At one row the float loop sums four output features a pass (four accumulators each, against
+    sixteen one at a time; docs/kernel_rules.md): 2^30 at column 0 and -2^30 at column 64 meet in one
+    accumulator and cancel before the 1 at column 16 is added (1.0); in sixteen accumulators the 1
+    is lost beside 2^30 first (0.0). Exact integers (VNNI, the reference) give 1.0 too."""
+    from helpers import run_python_with
+    code = ("import torch, torchmha\n"
+            "x = torch.zeros(1, 512); x[0, 0], x[0, 64], x[0, 16] = 2.0 ** 30, -2.0 ** 30, 1.0\n"
+            "w = torch.zeros(4, 512, dtype=torch.int8); w[0, 0] = w[0, 64] = w[0, 16] = 1\n"
+            "y = torch.ops.torchmha.quantized_linear(x, w, torch.ones(4), None)\n"
+            "assert y[0, 0].item() == 1.0 and y[0, 1:].eq(0).all(), y\n")
+    run_python_with(code, set_env={"TORCHMHA_VNNI": "0"}, unset=("TORCHMHA_AMX_LINEAR",))
+
+
 def test_the_reference_past_the_blocks_computes_the_same():
     """TORCHMHA_LINEAR_BLOCKED_ROWS=8: every call past the kernel's 8 rows dequantizes for a GEMM."""
     from helpers import run_python_with
