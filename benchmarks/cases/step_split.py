@@ -14,6 +14,7 @@ from torch import Tensor
 import torchmha
 
 from cases.generation import GENERATION_MODEL, generation_inputs, generation_model
+from cases.weight_reads import products_call, read_call
 from harness import Row, Settings, case, median_ms
 
 # (dtype of the model, weight_dtype of CachedDecoder); prompt 16, then G new tokens (--quick: G / 4)
@@ -22,25 +23,13 @@ PROMPT, NEW_TOKENS = 16, 64
 
 
 def step_products(params: list, scales: list) -> list:
-    """The step's 36 (weight, scale) pairs: each layer's self in-projection and out-projection, the
-    cross-attention's query rows and out-projection, linear1, linear2 (the memory's key and value
-    rows are projected once, by new_state)."""
-    E, slots = GENERATION_MODEL["E"], 18  # functional.h: 18 parameters a layer
-    pairs = []
-    for layer in range(GENERATION_MODEL["layers"]):
-        base = layer * slots
-        for slot, rows in ((0, None), (2, None), (4, E), (6, None), (8, None), (10, None)):
-            weight, scale = params[base + slot], scales[base + slot] if scales else None
-            pairs.append((weight[:rows] if rows else weight, scale[:rows] if scale is not None and rows else scale))
-    return pairs
-
-
-def products_call(pairs: list, x_dtype: torch.dtype):
-    ops = torch.ops.torchmha
-    xs = {w.shape[1]: torch.randn(1, 1, w.shape[1], dtype=x_dtype) for w, _ in pairs}
-    if pairs[0][1] is not None:
-        return lambda: [ops.quantized_linear(xs[w.shape[1]], w, s, None) for w, s in pairs]
-    return lambda: [ops.small_linear(xs[w.shape[1]], w, None) for w, _ in pairs]
+    """The step's 36 (weight, scale) pairs, in the op's parameter order: the parameters that are
+    matrices, six a layer (self in- and out-projection, cross in- and out-projection, linear1,
+    linear2), of which the cross in-projection's query rows only (the memory's key and value rows
+    are projected once, by new_state)."""
+    E = GENERATION_MODEL["E"]
+    pairs = [(w, s) for w, s in zip(params, scales or [None] * len(params)) if w is not None and w.dim() == 2]
+    return [(w[:E], None if s is None else s[:E]) if i % 6 == 2 else (w, s) for i, (w, s) in enumerate(pairs)]
 
 
 def attention_call(dtype: torch.dtype, length: int):
@@ -92,14 +81,12 @@ def split_row(dtype: torch.dtype, weight_dtype, settings: Settings) -> Row:
         pairs = step_products(params, scales)
         weights = [w for w, _ in pairs]
         nbytes = sum(w.numel() * w.element_size() for w in weights)
-        # (an int8 sum accumulates in int64, slower than reading: the same bytes seen as float32)
-        same_bytes = [w.contiguous().view(torch.float32) if w.dtype == torch.int8 else w for w in weights]
         one_buffer = torch.ones(nbytes // 4)
         times = {
             "ours": step_ms(decoder, memory, prompt, new, settings),
-            "products": median_ms(products_call(pairs, dtype), settings.min_run_time),
+            "products": median_ms(products_call(pairs, 1, dtype), settings.min_run_time),
             "attention": median_ms(attention_call(dtype, PROMPT + G // 2), settings.min_run_time),
-            "sum36": median_ms(lambda: [w.sum() for w in same_bytes], settings.min_run_time),
+            "sum36": median_ms(read_call(weights), settings.min_run_time),
             "sum1": median_ms(lambda: one_buffer.sum(), settings.min_run_time),
         }
         shell_ms = median_ms(decoder._step_params, settings.min_run_time)
@@ -110,8 +97,8 @@ def split_row(dtype: torch.dtype, weight_dtype, settings: Settings) -> Row:
     rate = {peer: nbytes / times[peer] / 1e6 for peer in ("products", "sum36", "sum1")}
     notes = (f"ms a token: step {times['ours']:.3f} = products {times['products']:.3f} ({rate['products']:.1f} GB/s; "
              f"sum over the 36 {rate['sum36']:.1f}, over one buffer {rate['sum1']:.1f}) + attention kernels "
-             f"{times['attention']:.3f} (warm) + the rest {rest:.3f} (norms, activation, views, dispatch; the "
-             f"Python shell's parameter read {1e3 * shell_ms:.1f} us of it)")
+             f"{times['attention']:.3f} (warm) + the rest {rest:.3f} (the attention's cold reads, norms, activation, "
+             f"views, dispatch, the op's boundary; the Python shell's parameter read, warm, {1e3 * shell_ms:.1f} us)")
     data = {"ms": times, "rest_ms": rest, "shell_ms": shell_ms, "GBps": rate, "weight_bytes": nbytes}
     return Row("step_split", setting, times, None, None, None, notes, data)
 

@@ -19,6 +19,22 @@ def step_weights(dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.randn(shape).to(dtype) for _ in range(LAYERS) for shape in SHAPES]
 
 
+def products_call(pairs: list, rows: int, x_dtype: torch.dtype):
+    """One call of torchmha's kernel on each (weight, scale) pair (scale None: small_linear, else
+    quantized_linear) for `rows` rows of x."""
+    ops = torch.ops.torchmha
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=x_dtype) for w, _ in pairs}
+    return lambda: [ops.small_linear(xs[w.shape[1]], w, None) if s is None else
+                    ops.quantized_linear(xs[w.shape[1]], w, s, None) for w, s in pairs]
+
+
+def read_call(weights: list):
+    """A torch sum over each tensor's bytes (an int8 sum accumulates in int64, slower than reading:
+    int8 bytes are summed as float32)."""
+    same_bytes = [w.contiguous().view(torch.float32) if w.dtype == torch.int8 else w for w in weights]
+    return lambda: [w.sum() for w in same_bytes]
+
+
 @case
 def weight_reads(settings: Settings) -> list[Row]:
     ops = torch.ops.torchmha
@@ -26,21 +42,14 @@ def weight_reads(settings: Settings) -> list[Row]:
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
         if dtype == torch.int8:
             pairs = [ops.quantize_weight(w) for w in step_weights(torch.float32)]
-            weights = [q for q, _ in pairs]
         else:
-            weights = step_weights(dtype)
+            pairs = [(w, None) for w in step_weights(dtype)]
+        weights = [w for w, _ in pairs]
         nbytes = sum(w.numel() * w.element_size() for w in weights)
-        # (an int8 sum accumulates in int64, slower than reading: the same bytes seen as float32)
-        same_bytes = [w.view(torch.float32) if dtype == torch.int8 else w for w in weights]
-        read_ms = median_ms(lambda: [w.sum() for w in same_bytes], settings.min_run_time)
+        read_ms = median_ms(read_call(weights), settings.min_run_time)
         for M in (1, 8):
             x_dtype = torch.float32 if dtype == torch.int8 else dtype
-            xs = {w.shape[1]: torch.randn(M, w.shape[1], dtype=x_dtype) for w in weights}
-            if dtype == torch.int8:
-                ours = lambda: [ops.quantized_linear(xs[q.shape[1]], q, s, None) for q, s in pairs]  # noqa: E731
-            else:
-                ours = lambda: [ops.small_linear(xs[w.shape[1]], w, None) for w in weights]  # noqa: E731
-            ms = median_ms(ours, settings.min_run_time)
+            ms = median_ms(products_call(pairs, M, x_dtype), settings.min_run_time)
             name = str(dtype).removeprefix("torch.")
             rate, peak = nbytes / ms / 1e6, nbytes / read_ms / 1e6
             flop_ms = 2 * M * sum(w.numel() for w in weights) / 1e9 / 150 * 1e3  # at 150 GFLOP/s

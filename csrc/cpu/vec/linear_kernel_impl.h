@@ -190,7 +190,7 @@ void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan
 //
 // int8 weights at one row of x, on AVX-512: four features a pass. A row of int8 weights is a
 // quarter of float32's bytes for the same sums and reductions, so one feature a pass was bound by
-// its instructions on short rows (K = 512: 0.73-0.79 of a sum over the same bytes); four adjacent
+// its instructions on short rows (K = 512: 0.68-0.79 of a sum over the same bytes); four adjacent
 // rows are one contiguous block, which the prefetchers still follow. Intel Xeon with AMX (2
 // threads, each shape repeated to 16 MB, against a sum over its bytes as float32, alternated in
 // one process): 512x512 0.90-0.96 of the sum against 0.77-0.79 one at a time, 1536x512 0.91-0.97
