@@ -11,6 +11,7 @@ from torch import nn
 
 import torchmha
 from helpers import mha_pair
+from test_cached_decoder_int8 import dequantized
 
 pytestmark = [
     pytest.mark.cuda,
@@ -68,10 +69,15 @@ def _decoder(dtype):
     return model.to("cuda", dtype)
 
 
+@pytest.mark.parametrize("weight_dtype", [None, torch.int8])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cached_decoder_equals_the_full_forward_on_cuda(dtype):
+def test_cached_decoder_equals_the_full_forward_on_cuda(dtype, weight_dtype):
+    """With int8 weights (dequantized per layer off the CPU), against the model whose linear weights
+    are those int8 weights dequantized."""
     model = _decoder(dtype)
-    dec = torchmha.CachedDecoder(model)
+    dec = torchmha.CachedDecoder(model, weight_dtype=weight_dtype)
+    if weight_dtype is torch.int8:
+        model = dequantized(model)
     src = torch.randn(2, 7, 64, device="cuda", dtype=dtype)
     tgt = torch.randn(2, 6, 64, device="cuda", dtype=dtype)
     with torch.inference_mode():
