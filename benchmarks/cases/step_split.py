@@ -106,5 +106,8 @@ def split_row(dtype: torch.dtype, weight_dtype, settings: Settings) -> Row:
 @case
 def step_split(settings: Settings) -> list[Row]:
     """A batch-1 step's time split into its products, attention kernels and the rest, against the
-    read of its weights (informational; no target)."""
+    read of its weights (informational; no target). The CPU's step only: its products are the CPU's
+    small-batch kernels."""
+    if settings.device != "cpu":
+        return [Row("step_split", f"{settings.device}: not measured (the split of the CPU kernels' step)")]
     return [split_row(dtype, weight_dtype, settings) for dtype, weight_dtype in SPLIT_SETTINGS]

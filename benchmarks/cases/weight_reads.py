@@ -37,6 +37,9 @@ def read_call(weights: list):
 
 @case
 def weight_reads(settings: Settings) -> list[Row]:
+    if settings.device != "cpu":  # the small-batch kernels are CPU kernels; elsewhere ATen's linear runs
+        return [Row("weight_reads", f"{settings.device}: not measured (torchmha's small-batch kernels are CPU kernels)",
+                    target=Target("read rate fraction", ">=", TARGET[1]))]
     ops = torch.ops.torchmha
     rows = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
