@@ -15,6 +15,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace torchmha::core {
@@ -72,22 +73,49 @@ void write_rows(const Tensor& cache, const Tensor& fresh, const Tensor& lengths,
   cache.scatter_(2, index, value);
 }
 
-}  // namespace
-
-std::optional<int64_t> filled_length(const Tensor& lengths) {
+// Whether the lengths may be read on the host (filled_length): eager, and no static shapes asked for.
+bool lengths_readable(const Tensor& lengths) {
   static const bool static_shapes = settings::read_switch("TORCHMHA_DECODE_STATIC_SHAPES").value_or(false);
   const auto traced = c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
                                            c10::DispatchKey::PythonTLSSnapshot});
-  if (static_shapes || lengths.is_meta() || !(lengths.key_set() & traced).empty()) {
-    return std::nullopt;
-  }
-  return lengths.numel() == 0 ? 0 : lengths.max().item<int64_t>();  // on an accelerator: a sync
+  return !static_shapes && !lengths.is_meta() && (lengths.key_set() & traced).empty();
 }
 
-Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
-                                  const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
-                                  const OptionalTensor& padding, double dropout_p) {
-  check_step_shapes(q, k_new, v_new, k_cache, v_cache, lengths, new_lengths);
+// min(lengths) and max(lengths) in one read (on an accelerator: one sync), where they may be read.
+std::optional<std::pair<int64_t, int64_t>> length_range(const Tensor& lengths) {
+  if (!lengths_readable(lengths) || lengths.numel() == 0) {
+    return std::nullopt;
+  }
+  const auto [least, greatest] = at::aminmax(lengths);
+  const Tensor both = at::stack({least, greatest}).cpu();
+  return std::pair{both[0].item<int64_t>(), both[1].item<int64_t>()};
+}
+
+// Every sequence holds `length` positions and adds all T rows, with no padding mask: the rows are
+// written as one slice, and row t sees the first length + t + 1 keys (no mask at one row). A
+// step of the composition in a few kernels, as a hand-written cache does it: on an accelerator
+// the composition's step is bound by its launches.
+Tensor attend_uniform(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
+                      const Tensor& v_cache, const Tensor& lengths, int64_t length, double dropout_p) {
+  const int64_t M = k_cache.size(2), T = q.size(2);
+  TORCH_CHECK(length >= 0 && length + T <= M, "decode_attention: the key/value cache is full: every sequence holds ",
+              length, " of its ", M, " positions, and the step adds ", T);
+  k_cache.narrow(2, length, T).copy_(k_new);
+  v_cache.narrow(2, length, T).copy_(v_new);
+  const int64_t keys = length + T;
+  const OptionalTensor visible =
+      T == 1 ? OptionalTensor() : OptionalTensor(at::ones({T, keys}, q.options().dtype(at::kBool)).tril(length));
+  const Tensor out = at::scaled_dot_product_attention(q, k_cache.narrow(2, 0, keys), v_cache.narrow(2, 0, keys),
+                                                      visible, dropout_p);
+  lengths.add_(T);
+  return out;
+}
+
+// Any lengths, new_lengths and padding: the rows written where each sequence ends, a mask per
+// sequence. `filled` is max(lengths + new_lengths) where the caller read it already.
+Tensor attend_general(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
+                      const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
+                      const OptionalTensor& padding, double dropout_p, std::optional<int64_t> filled) {
   const int64_t N = k_cache.size(0), M = k_cache.size(2), T = q.size(2);
   const Tensor added = is_present(new_lengths) ? *new_lengths : at::full({N}, T, lengths.options());
   // The CPU kernel checks these with the numbers; here (any device, no host sync) as assertions.
@@ -102,7 +130,9 @@ Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Te
   write_rows(v_cache, v_new, lengths, added);
 
   // Eager: only the filled prefix is read (filled_length).
-  const auto filled = filled_length(lengths + added);
+  if (!filled.has_value()) {
+    filled = filled_length(lengths + added);
+  }
   const int64_t keys = filled.has_value() ? std::max<int64_t>(1, *filled) : M;
   const Tensor steps = at::arange(T, lengths.options());
   const Tensor row_is_new = steps.unsqueeze(0) < added.unsqueeze(1);  // (N, T)
@@ -121,6 +151,32 @@ Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Te
                                                       dropout_p);
   lengths.add_(added);
   return out.masked_fill(row_is_new.logical_not().view({N, 1, T, 1}), 0);
+}
+
+}  // namespace
+
+std::optional<int64_t> filled_length(const Tensor& lengths) {
+  if (!lengths_readable(lengths)) {
+    return std::nullopt;
+  }
+  return lengths.numel() == 0 ? 0 : lengths.max().item<int64_t>();  // on an accelerator: a sync
+}
+
+Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
+                                  const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
+                                  const OptionalTensor& padding, double dropout_p) {
+  check_step_shapes(q, k_new, v_new, k_cache, v_cache, lengths, new_lengths);
+  const int64_t T = q.size(2);
+  std::optional<int64_t> filled;
+  if (!is_present(new_lengths) && !is_present(padding) && T > 0) {  // every sequence adds every row
+    if (const auto range = length_range(lengths)) {
+      if (range->first == range->second) {
+        return attend_uniform(q, k_new, v_new, k_cache, v_cache, lengths, range->first, dropout_p);
+      }
+      filled = range->second + T;  // the one read serves the general path too
+    }
+  }
+  return attend_general(q, k_new, v_new, k_cache, v_cache, lengths, new_lengths, padding, dropout_p, filled);
 }
 Tensor decode_attention_cpu(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                             const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,

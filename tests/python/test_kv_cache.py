@@ -105,7 +105,9 @@ def test_long_sequences_at_different_lengths_split_over_threads(dtype):
 
 # A step into caches already holding rows (the decode kernel), and a prefill of 70 rows into empty
 # caches (the blocked kernel in float32/bfloat16/float16, decode_attention_kernel.cpp): (T, M, before, added).
-STEPS = {"step": (2, 9, [3, 0, 6], [2, 0, 1]), "prefill": (70, 80, [0, 0, 0], [70, 0, 33])}
+# "uniform": every sequence at one length, one new row each (the composition's slice write, no mask).
+STEPS = {"step": (2, 9, [3, 0, 6], [2, 0, 1]), "prefill": (70, 80, [0, 0, 0], [70, 0, 33]),
+         "uniform": (1, 9, [4, 4, 4], [1, 1, 1])}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
@@ -141,6 +143,36 @@ def test_decode_op_writes_attends_and_advances_each_sequence(dtype, given, kind)
             torch.testing.assert_close(out[n, :, t:t + 1].double(), expected, **tolerance)
     torch.testing.assert_close(k_cache, expected_k, atol=0, rtol=0)
     torch.testing.assert_close(v_cache, expected_v, atol=0, rtol=0)
+
+
+def test_the_composition_writes_attends_and_advances_each_sequence():
+    """The same through the ATen composition (TORCHMHA_DECODE_KERNEL_MAX_ROWS=0, as on a device without
+    the kernel): ragged lengths, new_lengths, and sequences at one length (its slice write)."""
+    code = ("import sys, itertools, torch; sys.path.insert(0, %r); import test_kv_cache as t; "
+            "[t.test_decode_op_writes_attends_and_advances_each_sequence(d, g, k) for d, g, k in itertools.product("
+            "[torch.float64, torch.float32, torch.bfloat16], [True, False], t.STEPS)]")
+    run_python_with(code % str(Path(__file__).parent), set_env={"TORCHMHA_DECODE_KERNEL_MAX_ROWS": "0"})
+
+
+def composition_step_calls(before):
+    """The ATen calls of one one-row step through the composition, from `before` cached rows."""
+    q = torch.randn(len(before), 2, 1, 16)
+    cache = torch.zeros(len(before), 2, 64, 16)
+    with torch.profiler.profile() as prof:
+        torch.ops.torchmha.decode_attention(q, q, q, cache, cache.clone(), torch.tensor(before), None, None, 0.0)
+    return [e.name for e in prof.events() if e.name.startswith("aten::")]
+
+
+def test_a_step_at_one_length_is_a_slice_write_and_one_attention():
+    """Sequences at one length (a batch decoded together): the composition writes the rows as a slice
+    and attends without a mask, in a few kernels, as a hand-written cache does (on an accelerator
+    its step is bound by launches); ragged lengths take the gather/scatter write. One host read."""
+    code = ("import sys; sys.path.insert(0, %r); import test_kv_cache as t; "
+            "same, ragged = t.composition_step_calls([5, 5]), t.composition_step_calls([5, 2]); "
+            "assert 'aten::scatter_' not in same and 'aten::where' not in same, same; "
+            "assert 'aten::scatter_' in ragged, ragged; "
+            "assert same.count('aten::_local_scalar_dense') <= 2 and len(same) < len(ragged) / 2, (len(same), len(ragged))")
+    run_python_with(code % str(Path(__file__).parent), set_env={"TORCHMHA_DECODE_KERNEL_MAX_ROWS": "0"})
 
 
 def decode_runs_sdpa(T, dtype=torch.bfloat16):
