@@ -40,8 +40,16 @@ stage "machine" | tee "$OUT/env.txt"
   "$PYTHON" -c "import sys, torch; print(sys.version.split()[0], torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   nvcc --version | tail -1; c++ --version | head -1; cmake --version | head -1
   echo "cores $(nproc)"
+  env | grep -E '^(LDFLAGS|CXXFLAGS|CFLAGS|CPPFLAGS|CXX|CC|LIBRARY_PATH)=' || echo "no compiler or linker flags in the environment"
 } >> "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
+# CMakeLists.txt refuses a static C++ runtime; an environment that asks for one is said and left out.
+for v in LDFLAGS CXXFLAGS; do
+  if [[ "${!v:-}" == *-static-libstdc++* ]]; then
+    echo "$v asks for -static-libstdc++, which torchmha's configure refuses: left out for this check" | tee -a "$OUT/env.txt"
+    export "$v=${!v//-static-libstdc++/}"
+  fi
+done
 
 # build MODE: the library and _C in build/cuda-MODE with TORCHMHA_CUDA_TOOLKIT_MODE=MODE (AUTO: torch's
 # CMake package where a toolkit it accepts is found; OFF: torch's libraries, as
@@ -60,7 +68,7 @@ build() {
 link_facts() {
   echo "NEEDED: $(readelf -d "$lib"/libtorchmha.so | grep -o 'Shared library: \[[^]]*\]' | tr -d '[]' | sed 's/Shared library: //' | tr '\n' ' ')"
   echo "libstdc++ code defined in libtorchmha.so: $(nm -C --defined-only "$lib"/libtorchmha.so | grep -c 'std::ostream::_M_insert')"
-  command -v ninja > /dev/null && ninja -C "$lib" -t commands libtorchmha.so | tail -n 1 | tr ' ' '\n' | grep -E '^-l|\.(a|so)' | tr '\n' ' '
+  command -v ninja > /dev/null && ninja -C "$lib" -t commands libtorchmha.so | tail -n 1 | tr ' ' '\n' | grep -E '^-l|\.(a|so)|static' | tr '\n' ' '
   echo
 }
 # An error through torch.ops whose message formats numbers: AssertionError, as torch raises.

@@ -93,3 +93,15 @@ def test_build_without_torch_stops_at_once_and_says_why(tmp_path):
     result = subprocess.run([str(bare), str(root / "setup.py"), "--version"], capture_output=True, text=True, cwd=root)
     assert result.returncode != 0
     assert "Install torch first" in result.stderr and "--no-build-isolation" in result.stderr, result.stderr
+
+
+def test_a_static_cpp_runtime_stops_the_configure(tmp_path):
+    """LDFLAGS=-static-libstdc++ would give libtorchmha a C++ runtime of its own, and every error
+    message that formats a number would come out without it, or crash (CMakeLists.txt)."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, LDFLAGS="-static-libstdc++")
+    result = subprocess.run(["cmake", "-S", str(root), "-B", str(tmp_path / "build"),
+                             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode != 0
+    assert "-static-libstdc++" in result.stderr and "share torch's" in result.stderr, result.stderr
