@@ -178,6 +178,7 @@ Tensor decode_attention_reference(const Tensor& q, const Tensor& k_new, const Te
   }
   return attend_general(q, k_new, v_new, k_cache, v_cache, lengths, new_lengths, padding, dropout_p, filled);
 }
+
 Tensor decode_attention_cpu(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
                             const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                             const OptionalTensor& padding, double dropout_p) {

@@ -105,9 +105,10 @@ def test_long_sequences_at_different_lengths_split_over_threads(dtype):
 
 # A step into caches already holding rows (the decode kernel), and a prefill of 70 rows into empty
 # caches (the blocked kernel in float32/bfloat16/float16, decode_attention_kernel.cpp): (T, M, before, added).
-# "uniform": every sequence at one length, one new row each (the composition's slice write, no mask).
+# "uniform", "uniform block": every sequence at one length, one and three new rows each (the
+# composition's slice write, no mask at one row).
 STEPS = {"step": (2, 9, [3, 0, 6], [2, 0, 1]), "prefill": (70, 80, [0, 0, 0], [70, 0, 33]),
-         "uniform": (1, 9, [4, 4, 4], [1, 1, 1])}
+         "uniform": (1, 9, [4, 4, 4], [1, 1, 1]), "uniform block": (3, 12, [4, 4, 4], [3, 3, 3])}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
