@@ -58,16 +58,22 @@ Tensor along_positions(const Tensor& index, const Tensor& like) {
   return index.view({N, 1, T, 1}).expand({N, H, T, D});
 }
 
-// Writes the new rows. Rows past new_lengths (and any that would fall past the capacity) are
-// aimed at a clamped position and carry the value that position must hold after the step, so
-// every write to one position writes the same value: the result does not depend on their order.
-void write_rows(const Tensor& cache, const Tensor& fresh, const Tensor& lengths, const Tensor& new_lengths) {
+// Writes the new rows where each sequence ends. Without new_lengths every row is new and goes where
+// it belongs (one scatter). With it, rows past new_lengths (and any that would fall past the
+// capacity) are aimed at a clamped position and carry the value that position must hold after the
+// step, so every write to one position writes the same value: the result does not depend on their
+// order.
+void write_rows(const Tensor& cache, const Tensor& fresh, const Tensor& lengths, const OptionalTensor& new_lengths) {
   const int64_t M = cache.size(2), T = fresh.size(2);
   const Tensor start = lengths.unsqueeze(1);
   const Tensor target = (start + at::arange(T, lengths.options())).clamp_max(M - 1);
-  const Tensor from_fresh = (target >= start) & (target < start + new_lengths.unsqueeze(1));
-  const Tensor fresh_row = (target - start).clamp(0, T - 1);
   const Tensor index = along_positions(target, cache);
+  if (!is_present(new_lengths)) {
+    cache.scatter_(2, index, fresh);
+    return;
+  }
+  const Tensor from_fresh = (target >= start) & (target < start + new_lengths->unsqueeze(1));
+  const Tensor fresh_row = (target - start).clamp(0, T - 1);
   const Tensor value = at::where(from_fresh.unsqueeze(1).unsqueeze(-1),
                                  fresh.gather(2, along_positions(fresh_row, fresh)), cache.gather(2, index));
   cache.scatter_(2, index, value);
@@ -117,27 +123,33 @@ Tensor attend_general(const Tensor& q, const Tensor& k_new, const Tensor& v_new,
                       const Tensor& v_cache, const Tensor& lengths, const OptionalTensor& new_lengths,
                       const OptionalTensor& padding, double dropout_p, std::optional<int64_t> filled) {
   const int64_t N = k_cache.size(0), M = k_cache.size(2), T = q.size(2);
-  const Tensor added = is_present(new_lengths) ? *new_lengths : at::full({N}, T, lengths.options());
+  const Tensor after = is_present(new_lengths) ? lengths + *new_lengths : lengths + T;  // the lengths after the step
   // The CPU kernel checks these with the numbers; here (any device, no host sync) as assertions.
-  at::_assert_async(((added >= 0) & (added <= T)).all(),
-                    "decode_attention: new_lengths must be in [0, T] (the query's length)");
-  at::_assert_async(((lengths >= 0) & (lengths + added <= M)).all(), "decode_attention: the key/value cache is full");
+  if (is_present(new_lengths)) {
+    at::_assert_async(((*new_lengths >= 0) & (*new_lengths <= T)).all(),
+                      "decode_attention: new_lengths must be in [0, T] (the query's length)");
+  }
+  at::_assert_async(((lengths >= 0) & (after <= M)).all(), "decode_attention: the key/value cache is full");
   if (is_present(padding)) {
-    at::_assert_async((lengths + added).le(c10::Scalar(padding->sym_size(1))).all(),  // S may be symbolic
+    at::_assert_async(after.le(c10::Scalar(padding->sym_size(1))).all(),  // S may be symbolic
                       "decode_attention: key_padding_mask does not cover every filled cache position");
   }
-  write_rows(k_cache, k_new, lengths, added);
-  write_rows(v_cache, v_new, lengths, added);
+  write_rows(k_cache, k_new, lengths, new_lengths);
+  write_rows(v_cache, v_new, lengths, new_lengths);
 
   // Eager: only the filled prefix is read (filled_length).
   if (!filled.has_value()) {
-    filled = filled_length(lengths + added);
+    filled = filled_length(after);
   }
   const int64_t keys = filled.has_value() ? std::max<int64_t>(1, *filled) : M;
   const Tensor steps = at::arange(T, lengths.options());
-  const Tensor row_is_new = steps.unsqueeze(0) < added.unsqueeze(1);  // (N, T)
-  // Rows past new_lengths see key 0 only (their result is replaced by zeros), so none is all masked.
-  const Tensor last_key = at::where(row_is_new, lengths.unsqueeze(1) + steps, 0);  // (N, T)
+  Tensor last_key = lengths.unsqueeze(1) + steps;  // (N, T)
+  OptionalTensor row_is_new;  // (N, T); without new_lengths every row is new
+  if (is_present(new_lengths)) {
+    row_is_new = steps.unsqueeze(0) < new_lengths->unsqueeze(1);
+    // Rows past new_lengths see key 0 only (their result is replaced by zeros), so none is all masked.
+    last_key = at::where(*row_is_new, last_key, 0);
+  }
   const Tensor visible = at::arange(keys, lengths.options()).view({1, 1, keys}) <= last_key.unsqueeze(2);
   Tensor mask = at::zeros({N, 1, T, keys}, q.options())
                     .masked_fill(visible.logical_not().unsqueeze(1), -std::numeric_limits<double>::infinity());
@@ -149,8 +161,8 @@ Tensor attend_general(const Tensor& q, const Tensor& k_new, const Tensor& v_new,
   }
   const Tensor out = at::scaled_dot_product_attention(q, k_cache.narrow(2, 0, keys), v_cache.narrow(2, 0, keys), mask,
                                                       dropout_p);
-  lengths.add_(added);
-  return out.masked_fill(row_is_new.logical_not().view({N, 1, T, 1}), 0);
+  lengths.copy_(after);
+  return is_present(row_is_new) ? out.masked_fill(row_is_new->logical_not().view({N, 1, T, 1}), 0) : out;
 }
 
 }  // namespace

@@ -167,12 +167,12 @@ def composition_step_calls(before):
 def test_a_step_at_one_length_is_a_slice_write_and_one_attention():
     """Sequences at one length (a batch decoded together): the composition writes the rows as a slice
     and attends without a mask, in a few kernels, as a hand-written cache does (on an accelerator
-    its step is bound by launches); ragged lengths take the gather/scatter write. One host read."""
+    its step is bound by launches); ragged lengths take a scatter write and a mask. One host read."""
     code = ("import sys; sys.path.insert(0, %r); import test_kv_cache as t; "
             "same, ragged = t.composition_step_calls([5, 5]), t.composition_step_calls([5, 2]); "
             "assert 'aten::scatter_' not in same and 'aten::where' not in same, same; "
-            "assert 'aten::scatter_' in ragged, ragged; "
-            "assert same.count('aten::_local_scalar_dense') <= 2 and len(same) < len(ragged) / 2, (len(same), len(ragged))")
+            "assert 'aten::scatter_' in ragged and 'aten::gather' not in ragged, ragged; "
+            "assert same.count('aten::_local_scalar_dense') <= 2 and len(same) < len(ragged), (len(same), len(ragged))")
     run_python_with(code % str(Path(__file__).parent), set_env={"TORCHMHA_DECODE_KERNEL_MAX_ROWS": "0"})
 
 
