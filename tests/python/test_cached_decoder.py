@@ -356,6 +356,20 @@ def test_post_norm_steps_without_gradients_within_torchs_own_error(dtype, config
         assert (got - exact).abs().max() <= 2 * torch_own + slack
 
 
+@pytest.mark.parametrize("activation, op", [("relu", "aten::relu_"), ("gelu", "aten::gelu_"), (F.silu, "aten::silu_")])
+def test_a_step_activates_the_hidden_in_place(activation, op):
+    """The feed-forward's hidden (the first linear's own output) is activated in place, one op a
+    layer and no new tensor; the step still equals the full forward."""
+    model = make_model(activation=activation, dtype=torch.float32)
+    g = Generation(model, N=2, max_length=6, dtype=torch.float32)
+    g.step([2, 3])
+    with torch.inference_mode(), torch.profiler.profile() as prof:
+        g.step([1, 1])
+    names = [e.name for e in prof.events()]
+    assert names.count(op) == LAYERS and names.count(op.rstrip("_")) == 0
+    g.check()
+
+
 def test_residual_norm_setting_keeps_atens_add_and_layer_norm():
     """TORCHMHA_RESIDUAL_NORM=0: the same steps through ATen's add and layer_norm (the path with
     gradients, traces and float64), within the same bound."""
