@@ -107,10 +107,11 @@ void check_weight_scale(const Tensor& weight, const OptionalTensor& scale, const
 Tensor quantized_linear_reference(const Tensor& x, const Tensor& weight, const Tensor& scale,
                                   const OptionalTensor& bias) {
   check_weight_scale(weight, scale, "quantized_linear");
-  // weight * scale exactly in float64, rounded once to float32 otherwise; then x's linear as any
-  // other past the kernel (gemm_linear: float32 where torch's own GEMM in x's dtype is slow here)
+  // weight * scale exactly in float64, rounded once to float32 otherwise (one pass: the int8
+  // weight promotes to the scale's dtype); then x's linear as any other past the kernel
+  // (gemm_linear: float32 where torch's own GEMM in x's dtype is slow here)
   const auto exact = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const Tensor dequantized = weight.to(exact).mul_(scale.to(exact).unsqueeze(1)).to(x.scalar_type());
+  const Tensor dequantized = at::mul(weight, scale.to(exact).unsqueeze(1)).to(x.scalar_type());
   return gemm_linear(x, dequantized, bias);
 }
 
