@@ -6,6 +6,7 @@
 
 #include <torchmha/torchmha.h>
 
+#include "core/cached_decoder.h"
 #include "core/checks.h"
 #include "core/fast_path.h"
 #include "core/layers.h"
@@ -84,7 +85,7 @@ void bind_step_checks(py::module_& m) {
     std::vector<int64_t> stamps;
     stamps.reserve(2 * tensors.size());
     for (const auto& t : tensors) {
-      stamps.push_back(static_cast<int64_t>(t._version()));
+      stamps.push_back(torchmha::core::weight_version(t));
       stamps.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
     }
     return stamps;

@@ -255,6 +255,10 @@ Tensor stack_step(const Tensor& tgt, const Stack& stack, const StackState& state
   return x;
 }
 
+int64_t weight_version(const Tensor& weight) {
+  return weight.is_inference() ? -1 : static_cast<int64_t>(weight._version());
+}
+
 std::tuple<std::vector<OptionalTensor>, std::vector<OptionalTensor>> quantize_stack_weights(
     at::ArrayRef<OptionalTensor> params) {
   TORCH_CHECK_VALUE(params.size() % kLayerSlots == 2, kWho, ": expected ", kLayerSlots, " parameters per layer and 2 ",

@@ -7,6 +7,8 @@
 
 #include "arguments.h"
 
+#include <torchmha/export.h>
+
 #include <c10/util/ArrayRef.h>
 #include <c10/util/string_view.h>
 
@@ -26,6 +28,11 @@ struct Activation {
   std::string op;  // kOp: the op's qualified name
 };
 Activation parse_activation(c10::string_view name);
+
+/// The version of a weight that a staleness check of its int8 copy compares: its version counter,
+/// or -1 for an inference tensor (made under inference mode), which keeps none (a step then sees
+/// the weight replaced or moved, not written in place: the shells warn when they quantize one).
+TORCHMHA_API int64_t weight_version(const Tensor& weight);
 
 struct LayerNormWeights {
   OptionalTensor weight, bias;

@@ -5,6 +5,7 @@
 
 #include <torchmha/functional.h>
 
+#include "core/cached_decoder.h"
 #include "core/common.h"
 
 #include <ATen/ops/zeros.h>
@@ -178,8 +179,8 @@ const MultiheadAttentionImpl& first_attention(const torch::nn::ModuleList& layer
                  : *layer_at<TransformerEncoderLayerImpl>(layers, 0, "torch::nn::TransformerEncoderLayer").self_attn;
 }
 
-// What changes when a weight does: replaced (its TensorImpl), written in place (its version),
-// moved or cast (its storage).
+// What changes when a weight does: replaced (its TensorImpl), written in place (its version; none
+// for an inference tensor), moved or cast (its storage).
 struct WeightStamp {
   const void* impl;
   int64_t version;
@@ -190,7 +191,7 @@ struct WeightStamp {
 };
 
 WeightStamp stamp(const Tensor& weight) {
-  return {weight.unsafeGetTensorImpl(), weight._version(), weight.const_data_ptr()};
+  return {weight.unsafeGetTensorImpl(), core::weight_version(weight), weight.const_data_ptr()};
 }
 
 }  // namespace
@@ -207,11 +208,18 @@ struct CachedDecoder::Int8Weights {
     std::tie(weights, scales) = decoder_quantize(params);
     slots.clear();
     stamps.clear();
+    bool inference = false;
     for (size_t i = 0; i < weights.size(); ++i) {
       if (weights.get(i).has_value()) {
         slots.push_back(i);
         stamps.push_back(stamp(*params.get(i)));
+        inference = inference || params.get(i)->is_inference();
       }
+    }
+    if (inference) {
+      TORCH_WARN(kWho, ": the model's weights are inference tensors (made under InferenceMode), which keep no ",
+                 "version counter, so a step cannot see a change written into them in place; call refresh() ",
+                 "after one");
     }
   }
 

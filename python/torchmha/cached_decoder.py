@@ -15,6 +15,7 @@ per output channel), made once and made again when a weight changes.
 """
 
 import functools
+import warnings
 from typing import List, Optional, Tuple
 
 import torch
@@ -147,6 +148,11 @@ class _Int8Weights:
         self.weights, self.scales = ops.decoder_quantize(params)
         self.slots = [i for i, w in enumerate(self.weights) if w is not None]
         self.stamps = self._stamps(params)
+        if any(params[i].is_inference() for i in self.slots):  # (no version to stamp: -1)
+            warnings.warn("CachedDecoder: the model's weights are inference tensors (made under "
+                          "torch.inference_mode), which keep no version counter, so a step cannot see a change "
+                          "written into them in place (load_state_dict under inference_mode, for one); call "
+                          "refresh() after one", stacklevel=3)
 
     def _stamps(self, params: List[Optional[Tensor]]) -> tuple:
         sources = [params[i] for i in self.slots]
@@ -240,7 +246,8 @@ class CachedDecoder(nn.Module):
     the model's dtype; the model's parameters are left as they are. A step notices a weight that
     changed since (trained further, loaded, replaced, moved) and quantizes again; ``refresh()``
     does so at once, and is needed after a write through ``.data`` (which no version counter
-    sees) and, under ``torch.compile``, after any change. On the CPU a step reads a quarter of float32's weight bytes; elsewhere the
+    sees), after a write in place into inference tensors (a model made under ``torch.inference_mode``
+    keeps no version counter: the decoder warns) and, under ``torch.compile``, after any change. On the CPU a step reads a quarter of float32's weight bytes; elsewhere the
     int8 weights are dequantized per layer (the same result, not faster).
     """
 

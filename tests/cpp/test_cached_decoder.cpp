@@ -10,7 +10,9 @@
 
 #include <functional>
 #include <limits>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -267,6 +269,31 @@ TEST(CachedDecoder, Int8WeightsFollowAChangedModel) {
   state = dec.new_state(2, 4);
   reference = dequantized(model);
   expect_close(dec(x, state), encoder_forward(reference, x));
+}
+
+// The warnings c10 raises while it is installed (c10::WarningUtils::WarningHandlerGuard).
+struct WarningCapture : c10::WarningHandler {
+  std::vector<std::string> messages;
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+};
+
+TEST(CachedDecoder, Int8FromAModelMadeUnderInferenceMode) {
+  torch::manual_seed(5);
+  const c10::InferenceMode inference;
+  auto model = make_encoder();  // inference tensors: no version counter (reading one throws)
+  WarningCapture capture;
+  std::optional<torchmha::CachedDecoder> dec;
+  {
+    const c10::WarningUtils::WarningHandlerGuard guard(&capture);
+    dec.emplace(model, torch::kChar);
+  }
+  ASSERT_EQ(capture.messages.size(), 1u);
+  EXPECT_NE(capture.messages[0].find("inference tensors"), std::string::npos) << capture.messages[0];
+  EXPECT_NE(capture.messages[0].find("call refresh()"), std::string::npos) << capture.messages[0];
+  const auto x = torch::randn({kPrompt, 2, kDModel}, f64());
+  auto state = dec->new_state(2, 4);
+  auto reference = dequantized(model);
+  expect_close((*dec)(x, state), encoder_forward(reference, x));
 }
 
 TEST(CachedDecoder, OnlyInt8IsAWeightDtype) {

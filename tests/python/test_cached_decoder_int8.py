@@ -131,6 +131,24 @@ def test_refresh_quantizes_now():
     assert torch.equal(dec._int8.weights[8], -old)
 
 
+def test_a_model_made_under_inference_mode():
+    """Inference tensors keep no version counter (reading one raises): the decoder is made with a
+    warning that an in-place change needs refresh(), steps equal the dequantized model, and a
+    replaced weight is still seen."""
+    with torch.inference_mode():
+        model = make_model("decoder", dtype=torch.float32)
+    with pytest.warns(UserWarning, match="inference tensors .* call refresh"):
+        g = Generation(model, N=2, max_length=6, dtype=torch.float32, weight_dtype=torch.int8)
+    with torch.inference_mode():
+        g.step([2, 3])
+        g.step([1, 1])
+    g.model = dequantized(model)
+    g.check()
+    with torch.inference_mode(), pytest.warns(UserWarning, match="inference tensors"):
+        model.layers[0].linear1.weight = nn.Parameter(-model.layers[0].linear1.weight)
+        g.dec._step_params()
+
+
 def test_a_failed_int8_step_leaves_the_state():
     g = Generation(make_model("decoder"), N=2, max_length=6, dtype=torch.float64, weight_dtype=torch.int8)
     g.step([2, 1])

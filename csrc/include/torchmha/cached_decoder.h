@@ -35,7 +35,8 @@ class DecoderState;
 /// scale per output channel; activations, norms and caches keep the model's dtype): made at
 /// construction, and again when a step sees that a weight changed (written in place, replaced,
 /// moved); refresh() makes them at once (needed after a write through .data(), which no version
-/// counter sees).
+/// counter sees, and after a write in place into inference tensors: a model made under
+/// c10::InferenceMode keeps no version counter, and the constructor warns).
 /// ```
 /// torch::nn::TransformerDecoder model(torch::nn::TransformerDecoderOptions(layer, 6));
 /// model->eval();
