@@ -246,9 +246,10 @@ class CachedDecoder(nn.Module):
     the model's dtype; the model's parameters are left as they are. A step notices a weight that
     changed since (trained further, loaded, replaced, moved) and quantizes again; ``refresh()``
     does so at once, and is needed after a write through ``.data`` (which no version counter
-    sees), after a write in place into inference tensors (a model made under ``torch.inference_mode``
-    keeps no version counter: the decoder warns) and, under ``torch.compile``, after any change. On the CPU a step reads a quarter of float32's weight bytes; elsewhere the
-    int8 weights are dequantized per layer (the same result, not faster).
+    sees), after a write in place into inference tensors (a model made under
+    ``torch.inference_mode`` keeps no version counter: the decoder warns) and, under
+    ``torch.compile``, after any change. On the CPU a step reads a quarter of float32's weight
+    bytes; elsewhere the int8 weights are dequantized per layer (the same result, not faster).
     """
 
     def __init__(self, model: nn.Module, weight_dtype: Optional[torch.dtype] = None) -> None:
