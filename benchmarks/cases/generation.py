@@ -28,9 +28,10 @@ GENERATION_SETTINGS = (
 GENERATION_FLOOR_TARGET = {1: 0.8, 8: 0.7}
 
 
-def generation_model(dtype: torch.dtype, device: str) -> nn.Transformer:
-    """nn.Transformer (post-norm, relu, dropout 0) in eval; one encoder layer, as only the decoder runs."""
-    m = GENERATION_MODEL
+def generation_model(dtype: torch.dtype, device: str, **sizes: int) -> nn.Transformer:
+    """nn.Transformer (post-norm, relu, dropout 0) in eval; one encoder layer, as only the decoder runs.
+    `sizes` replace GENERATION_MODEL's (E, H, layers, ff) for a model of another size."""
+    m = {**GENERATION_MODEL, **sizes}
     torch.manual_seed(0)
     with warnings.catch_warnings():  # the unused encoder's note that it will not use nested tensors
         warnings.filterwarnings("ignore", message="enable_nested_tensor")

@@ -11,10 +11,8 @@ stops them."""
 
 from __future__ import annotations
 
-import warnings
-
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 import torchmha
 
@@ -82,13 +80,8 @@ def fixed_cost_ms(dtype: torch.dtype, weight_dtype, N: int, settings: Settings) 
     """A step of a model of the generation model's depth and kinds of layer with d_model
     FIXED_COST_E: what a step costs beside its bytes and FLOPs (warm: its few bytes stay in cache)."""
     g = GENERATION_MODEL
-    torch.manual_seed(0)
-    # (parameters made outside inference mode, as the generation model's are)
-    with warnings.catch_warnings(), torch.inference_mode(False):
-        warnings.filterwarnings("ignore", message="enable_nested_tensor")  # (the unused encoder's note)
-        model = nn.Transformer(FIXED_COST_E, FIXED_COST_H, num_encoder_layers=1, num_decoder_layers=g["layers"],
-                               dim_feedforward=2 * FIXED_COST_E, dropout=0.0, device=settings.device,
-                               dtype=dtype).eval()
+    with torch.inference_mode(False):  # (parameters made outside inference mode, as the generation model's are)
+        model = generation_model(dtype, settings.device, E=FIXED_COST_E, H=FIXED_COST_H, ff=2 * FIXED_COST_E)
         decoder = torchmha.CachedDecoder(model, weight_dtype=weight_dtype)
     like = dict(device=settings.device, dtype=dtype)
     state = decoder.new_state(N, PROMPT + 1, memory=torch.randn(g["S"], N, FIXED_COST_E, **like))

@@ -6,17 +6,12 @@
 #include "cpu/kernels.h"
 
 #include <ATen/ATen.h>  // the ops and the tensor operators (<, &, +) on index tensors
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <optional>
-#include <string>
 #include <utility>
-#include <vector>
 
 namespace torchmha::core {
 
