@@ -2,7 +2,8 @@
 (symmetric, a float32 scale per output channel) and quantized_linear, y = (x W_q^T) * scale + b, by the CPU
 kernel for up to 8 rows of x (on AVX512-VNNI, up to 4 rows as exact integers: linear_kernel_vnni.cpp; on
 AMX-INT8, the same integers for 2-8 rows on tiles: linear_kernel_amx.cpp; on AVX512-BF16, 5-8 rows of
-bfloat16 x by bfloat16 dot products: linear_kernel_bf16.cpp), in blocks of 8 rows
+bfloat16 x by bfloat16 dot products: linear_kernel_bf16.cpp; on AVX2, one row as exact 16-bit digits:
+linear_kernel_int16.cpp), in blocks of 8 rows
 up to a limit (test_settings.py), and by the dequantizing reference elsewhere."""
 
 import pytest
@@ -85,6 +86,18 @@ def test_digit_sums_past_int32_in_rows_past_2_16():
         assert relative_error(ops.quantized_linear(x, q, scale, None), x, q, scale) < 2e-6
 
 
+@pytest.mark.parametrize("K", [8192, 8193])
+def test_int16_digit_sums_at_their_longest_rows(K):
+    """One row on AVX2's 16-bit digits (linear_kernel_int16.cpp) up to 8192 columns: x[0] = 2^28 sets
+    the step to 1, every other x is 32767 (the low digit's largest) against weights of -128, where
+    each int32 lane gains the most; past 8192 the float loop runs. Exact but for float32's rounding."""
+    x = torch.full((1, K), 32767.0)
+    x[0, 0] = 2.0**28
+    q = torch.full((3, K), -128, dtype=torch.int8)
+    scale = torch.tensor([1e-9, 3e-9, 1.0])
+    assert relative_error(ops.quantized_linear(x, q, scale, None), x, q, scale) < 2e-6
+
+
 def test_zero_tiny_huge_and_non_finite_rows():
     """A row of zeros; tiny and huge rows (scaled exactly by powers of two); inf and
     NaN in x give torch's inf/NaN (the integer path cannot hold them and hands the call to the float
@@ -107,6 +120,21 @@ def test_without_vnni_the_float_conversion_computes_the_same():
             "[t.test_float32_error_within_float32_rounding(r, K) for r in (1, 4) for K in (65, 2048)]; "
             "t.test_zero_tiny_huge_and_non_finite_rows()")
     run_python_with(code % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_VNNI": "0"})
+
+
+def test_int16_digits_compute_what_the_other_paths_do():
+    """TORCHMHA_INT16_DIGITS=1 with VNNI off: one row on the 16-bit digits on any CPU with AVX2 or
+    AVX-512 (by default only where torchmha's AVX2 copy runs)."""
+    from helpers import run_python_with
+    import pathlib
+    code = ("import sys; sys.path.insert(0, %r); import test_quantized_linear as t, torch; "
+            "[t.test_float32_error_within_float32_rounding(1, K) for K in (1, 63, 64, 65, 130, 2048)]; "
+            "[t.test_int16_digit_sums_at_their_longest_rows(K) for K in (8192, 8193)]; "
+            "[t.test_quantized_linear_is_linear_with_the_dequantized_weight(d, 1, K, O, b) "
+            "for d in (torch.float32, torch.bfloat16) for K, O, b in ((37, 13, False), (200, 9, True), (1100, 301, True))]; "
+            "t.test_zero_tiny_huge_and_non_finite_rows()")
+    run_python_with(code % str(pathlib.Path(__file__).parent),
+                    set_env={"TORCHMHA_VNNI": "0", "TORCHMHA_INT16_DIGITS": "1"})
 
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="needs AVX-512")

@@ -38,6 +38,8 @@ TRIGGERS = {
                               "with torch.no_grad(): m(torch.randn(1, 1, 8), m.new_state(1, 2))",
     "TORCHMHA_VNNI": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
                      "torch.ops.torchmha.quantized_linear(torch.randn(1, 8), q, s, None)",
+    "TORCHMHA_INT16_DIGITS": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
+                             "torch.ops.torchmha.quantized_linear(torch.randn(1, 8), q, s, None)",
     "TORCHMHA_LINEAR_BLOCKED_ROWS": "torch.ops.torchmha.small_linear(torch.randn(9, 8), torch.randn(4, 8), None)",
     "TORCHMHA_CPU_CAPABILITY": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
     "TORCHMHA_AMX": "x = torch.randn(1, 1, 256, 8, dtype=torch.bfloat16); "
@@ -66,6 +68,7 @@ MALFORMED = [
     ("TORCHMHA_STATIC_KERNEL", "always", SWITCH),
     ("TORCHMHA_SMALL_LINEAR", "off", SWITCH),
     ("TORCHMHA_VNNI", "on", SWITCH),
+    ("TORCHMHA_INT16_DIGITS", "16", SWITCH),
     ("TORCHMHA_LINEAR_BLOCKED_ROWS", "all", COUNT + " (rows of x)"),
     ("TORCHMHA_RESIDUAL_NORM", "fused", SWITCH),
     ("TORCHMHA_AVX512_BF16", "yes", SWITCH),
@@ -300,6 +303,28 @@ assert y.item() == {}, y
     run_python_with(code.format(0.0), set_env={"TORCHMHA_VNNI": "0", "TORCHMHA_CPU_VENDOR": "amd"})
     for vendor, sum_of_x in (("amd", 1.0), ("intel", 0.0)):
         run_python_with(code.format(sum_of_x), set_env={"TORCHMHA_CPU_VENDOR": vendor}, unset=("TORCHMHA_VNNI",))
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs AVX2")
+def test_int16_digits_setting_moves_one_int8_row_off_the_float_loop():
+    """The probe above at one row, VNNI off: the 16-bit digits sum it exactly (1), the float loop
+    gives 0. Unset, the digits where torchmha's AVX2 copy runs (ATEN_CPU_CAPABILITY=avx2 puts it
+    there on any CPU), the float loop on AVX-512; TORCHMHA_INT16_DIGITS=1 takes the digits there too,
+    0 never. Two rows take the float loop either way."""
+    code = """
+import torch, torchmha
+q = torch.ones(1, 3, dtype=torch.int8)
+x = torch.tensor([[1e8, 1.0, -1e8]])
+assert torch.ops.torchmha.quantized_linear(x, q, torch.ones(1), None).item() == {}
+assert torch.ops.torchmha.quantized_linear(x.repeat(2, 1), q, torch.ones(1), None).eq(0).all()
+"""
+    no_vnni = {"TORCHMHA_VNNI": "0"}
+    run_python_with(code.format(1.0), set_env={**no_vnni, "ATEN_CPU_CAPABILITY": "avx2"},
+                    unset=("TORCHMHA_INT16_DIGITS",))
+    run_python_with(code.format(1.0), set_env={**no_vnni, "TORCHMHA_INT16_DIGITS": "1"})
+    run_python_with(code.format(0.0), set_env={**no_vnni, "TORCHMHA_INT16_DIGITS": "0", "ATEN_CPU_CAPABILITY": "avx2"})
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        run_python_with(code.format(0.0), set_env=no_vnni, unset=("TORCHMHA_INT16_DIGITS",))
 
 
 LINEAR_BLOCKS = PROFILED + """

@@ -98,6 +98,37 @@ bool integer_rows(const float* x, int64_t M, int64_t K, IntegerRows& out);
 void quantized_rows(const IntegerProblem& p, int64_t begin, int64_t end);
 }  // namespace avx512_vnni
 
+/// One row of x as exact 16-bit digits for int8 weights on AVX2 (linear_kernel_int16.cpp): x is
+/// u * step with u = digits[0][k] 2^15 + digits[1][k], the high digit in [-2^14, 2^14], the low in
+/// [0, 2^15). Digit rows are padded_k long (K rounded up to 16), zero past K.
+struct Int16Rows {
+  int16_t* digits;  // (2, padded_k)
+  int64_t padded_k;
+  double step;
+};
+
+/// y (1, O) in float = scale[o] * sum_k W[o, k] x[k] + bias[o], with x as Int16Rows.
+struct Int16Problem {
+  Int16Rows x;
+  const int8_t* w;     // (O, K), rows contiguous, row stride w_stride
+  int64_t w_stride;
+  const float* scale;  // (O,)
+  const float* bias;   // (O,) or null
+  float* y;            // (O,)
+  int64_t K, O;
+};
+
+/// K at most kInt16MaxK, so that the int32 sums cannot overflow (each lane gains less than 2^23 per
+/// 64 columns).
+constexpr int64_t kInt16MaxK = 8192;
+namespace avx2_int16 {
+/// Fills `out` (its digits sized for padded_k); false if x holds an inf or a NaN, or its largest
+/// |x| is below 2^-98 (no digits: the float loop runs).
+bool int16_row(const float* x, int64_t K, Int16Rows& out);
+/// Output features [begin, end).
+void quantized_row(const Int16Problem& p, int64_t begin, int64_t end);
+}  // namespace avx2_int16
+
 /// The small-batch linear on AMX tiles (linear_kernel_amx.cpp), 16 output features a tile product,
 /// every row of x (up to kLinearMaxRows) at once.
 namespace amx {
