@@ -15,6 +15,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace torchmha::cpu {
@@ -57,7 +58,9 @@ void softmax_backward_rows(const kernel::SoftmaxBackwardRows& step) {
 // before: it is then still in that core's cache (at 64 heads of 128^2 the forward went from 2.96
 // to 2.36 ms with this and the scale moved into the softmax step). The buffer is a Tensor, not a
 // std::vector: brgemm on rows less aligned than ATen's allocations measured 10% slower.
-const float* transpose_head(const HeadRows<float>& rows, int64_t n, int64_t h, int64_t keys, int64_t D, Tensor& kt) {
+// bfloat16 and float16 keys are converted here, as they are transposed.
+template <typename scalar_t>
+const float* transpose_head(const HeadRows<scalar_t>& rows, int64_t n, int64_t h, int64_t keys, int64_t D, Tensor& kt) {
   if (kt.numel() < D * keys) {
     kt = at::empty({D * keys}, at::kFloat);
   }
@@ -65,19 +68,44 @@ const float* transpose_head(const HeadRows<float>& rows, int64_t n, int64_t h, i
   float* out = kt.data_ptr<float>();
   for (int64_t s0 = 0; s0 < keys; s0 += 16) {
     const int64_t count = std::min<int64_t>(16, keys - s0);
-    const float* first = rows(n, h, s0);
+    const scalar_t* first = rows(n, h, s0);
     for (int64_t d = 0; d < D; ++d) {
       for (int64_t s = 0; s < count; ++s) {
-        out[d * keys + s0 + s] = first[s * rows.ld + d];
+        out[d * keys + s0 + s] = static_cast<float>(first[s * rows.ld + d]);
       }
     }
   }
   return out;
 }
 
-// What every block of the forward reads and writes (float32).
+// Head (n, h)'s rows [first, last) in float32: float32 rows as they are; bfloat16 and float16 rows
+// converted into `buffer` (rows before `first` unwritten), by the task that reads them. Converting
+// whole tensors up front (three copies the size of q, k and v) cost more than the kernel on small
+// heads: glibc hands such blocks back to the kernel when they are freed, and every call faulted
+// them in again (bfloat16 at 8 x 8 heads of 128 x 64, AMD EPYC Zen 3: 12.1 ms against 5.2 in
+// float32; with glibc's thresholds raised past them, 6.1 against 4.6).
+template <typename scalar_t>
+HeadRows<float> float_rows(const HeadRows<scalar_t>& rows, int64_t n, int64_t h, int64_t first, int64_t last,
+                           int64_t D, Tensor& buffer) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return rows;
+  } else {
+    if (buffer.numel() < last * D) {
+      buffer = at::empty({last * D}, at::kFloat);
+    }
+    float* out = buffer.data_ptr<float>();
+    for (int64_t l = first; l < last; ++l) {
+      const scalar_t* in = rows(n, h, l);
+      for (int64_t d = 0; d < D; ++d) {
+        out[l * D + d] = static_cast<float>(in[d]);
+      }
+    }
+    return HeadRows<float>(out, D);
+  }
+}
+
+// What every block of the forward reads and writes (float32; q, k and v per task).
 struct ForwardProblem {
-  HeadRows<float> q_rows, k_rows, v_rows;
   const OptionalTensor& mask;
   bool is_causal;
   int64_t N, H, L, D, S, block, key_block;
@@ -96,8 +124,9 @@ struct ForwardScratch {
 // Query rows [l0, l0 + rows) of head (n, h), over the blocks of keys: the block's scores (one
 // micro-GEMM against K^T, `kt` with row stride kt_ld), scaled and masked in the running softmax,
 // the accumulated P V (another); then the rows divided by their sums, and their log-sum-exp.
-void forward_block(const ForwardProblem& p, ForwardScratch& s, int64_t n, int64_t h, int64_t l0, int64_t rows,
-                   const float* kt, int64_t kt_ld) {
+void forward_block(const ForwardProblem& p, ForwardScratch& s, const HeadRows<float>& q_rows,
+                   const HeadRows<float>& v_rows, int64_t n, int64_t h, int64_t l0, int64_t rows, const float* kt,
+                   int64_t kt_ld) {
   std::fill(s.acc.begin(), s.acc.end(), 0.f);
   std::fill(s.max.begin(), s.max.end(), -INFINITY);
   std::fill(s.sum.begin(), s.sum.end(), 0.f);
@@ -106,10 +135,10 @@ void forward_block(const ForwardProblem& p, ForwardScratch& s, int64_t n, int64_
   const int64_t keys = keys_read(l0, rows, p.S, p.is_causal), D = p.D;
   for (int64_t s0 = 0; s0 < keys; s0 += p.key_block) {
     const int64_t cols = std::min(p.key_block, keys - s0);
-    matmul(rows, cols, D, p.q_rows(n, h, l0), p.q_rows.ld, kt + s0, kt_ld, s.scores.data(), p.key_block);
+    matmul(rows, cols, D, q_rows(n, h, l0), q_rows.ld, kt + s0, kt_ld, s.scores.data(), p.key_block);
     online_softmax_rows({s.scores.data(), p.key_block, p.scale, mask_row == nullptr ? nullptr : mask_row + s0,
                          mask_ld, p.is_causal, l0 - s0, s.max.data(), s.sum.data(), s.acc.data(), D, D, rows, cols});
-    matmul(rows, D, cols, s.scores.data(), p.key_block, p.v_rows(n, h, s0), p.v_rows.ld, s.acc.data(), D,
+    matmul(rows, D, cols, s.scores.data(), p.key_block, v_rows(n, h, s0), v_rows.ld, s.acc.data(), D,
            /*accumulate=*/true);
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -123,23 +152,25 @@ void forward_block(const ForwardProblem& p, ForwardScratch& s, int64_t n, int64_
   }
 }
 
-// Float32 inputs. Tasks are runs of query blocks of one head (one run a head unless the heads are
-// fewer than the threads), each with its head's K^T (transpose_head), then forward_block per block.
-void blocked_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
-                              bool is_causal, const Tensor& heads_lnhd, const Tensor& lse) {
+// Tasks are runs of query blocks of one head (one run a head unless the heads are fewer than the
+// threads), each with its head's K^T (transpose_head) and its rows in float32 (float_rows), then
+// forward_block per block.
+template <typename scalar_t>
+void forward_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask, bool is_causal,
+                    const Tensor& heads_lnhd, const Tensor& lse) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
   const int64_t block = std::min(kQueryRows, L);
-  const ForwardProblem p{HeadRows<float>(q), HeadRows<float>(k), HeadRows<float>(v), mask, is_causal, N, H, L, D, S,
-                         block, keys_per_block(block, D, S),
+  const ForwardProblem p{mask, is_causal, N, H, L, D, S, block, keys_per_block(block, D, S),
                          static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))), heads_lnhd.data_ptr<float>(),
                          lse.data_ptr<float>()};
+  const HeadRows<scalar_t> q_in(q), k_in(k), v_in(v);
   const int64_t blocks_per_head = (L + block - 1) / block;
   const int64_t runs_per_head = std::min(blocks_per_head, (4 * at::get_num_threads() + N * H - 1) / (N * H));
   const int64_t rows_per_run = (blocks_per_head + runs_per_head - 1) / runs_per_head * block;
 
   at::parallel_for(0, N * H * runs_per_head, 1, [&](int64_t begin, int64_t end) {
     ForwardScratch scratch(p);
-    Tensor kt_buffer;
+    Tensor kt_buffer, q_buffer, v_buffer;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / (H * runs_per_head), h = task / runs_per_head % H;
       const int64_t first = task % runs_per_head * rows_per_run, last = std::min(L, first + rows_per_run);
@@ -147,12 +178,24 @@ void blocked_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v,
         continue;
       }
       const int64_t run_keys = keys_read(first, last - first, S, is_causal);
-      const float* kt = transpose_head(p.k_rows, n, h, run_keys, D, kt_buffer);
+      const float* kt = transpose_head(k_in, n, h, run_keys, D, kt_buffer);
+      const HeadRows<float> q_rows = float_rows(q_in, n, h, first, last, D, q_buffer);
+      const HeadRows<float> v_rows = float_rows(v_in, n, h, 0, run_keys, D, v_buffer);
       for (int64_t l0 = first; l0 < last; l0 += block) {
-        forward_block(p, scratch, n, h, l0, std::min(block, last - l0), kt, run_keys);
+        forward_block(p, scratch, q_rows, v_rows, n, h, l0, std::min(block, last - l0), kt, run_keys);
       }
     }
   });
+}
+
+// float32, bfloat16 or float16 q, k and v (blocked_kernel_applies); a float32 mask.
+void blocked_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
+                              bool is_causal, const Tensor& heads_lnhd, const Tensor& lse) {
+  switch (q.scalar_type()) {
+    case at::kBFloat16: return forward_kernel<c10::BFloat16>(q, k, v, mask, is_causal, heads_lnhd, lse);
+    case at::kHalf: return forward_kernel<c10::Half>(q, k, v, mask, is_causal, heads_lnhd, lse);
+    default: return forward_kernel<float>(q, k, v, mask, is_causal, heads_lnhd, lse);
+  }
 }
 
 // The gradients of q, k and v (float32, contiguous (N, H, len, D), written whole). Per (sequence,
@@ -257,12 +300,13 @@ std::optional<std::tuple<Tensor, Tensor>> blocked_attention(const Tensor& q, con
     return std::nullopt;
   }
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
-  // bfloat16 and float16 are computed in float32 (one conversion each way), the mask included.
-  const Tensor q32 = float32(q), k32 = float32(k), v32 = float32(v);
+  // bfloat16 and float16 are computed in float32: q, k and v converted head by head in the kernel,
+  // the mask and the output here.
   const OptionalTensor mask32 = float32(mask_4d(mask));
-  Tensor heads_lnhd = at::empty({L, N, H, D}, q32.options());
-  Tensor lse = at::empty({N, H, L}, q32.options());
-  blocked_attention_kernel(q32, k32, v32, mask32, is_causal, heads_lnhd, lse);
+  const auto options = q.options().dtype(at::kFloat);
+  Tensor heads_lnhd = at::empty({L, N, H, D}, options);
+  Tensor lse = at::empty({N, H, L}, options);
+  blocked_attention_kernel(q, k, v, mask32, is_causal, heads_lnhd, lse);
   return std::make_tuple(heads_lnhd.to(q.scalar_type()).permute({1, 2, 0, 3}), lse);
 }
 
@@ -318,9 +362,14 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
   // to 512^2, 1.20 and 1.11 at 1024^2 and 2048^2; causal forward 0.28-0.59 up to 512^2, 0.95 at
   // 1024^2, 1.07 and 1.16 at 2048^2 and 4096^2; causal forward+backward 0.56-0.94 up to 2048^2.
   // So on AMD the AVX-512 sizes hold only where the AVX-512 copy runs (cpu_capability, which
-  // TORCHMHA_CPU_CAPABILITY=avx2 lowers).
+  // TORCHMHA_CPU_CAPABILITY=avx2 lowers). bfloat16 there (2026-12-04, 3 rounds, with q, k and v
+  // converted head by head): forward 0.79, 0.93, 0.97 at 128^2-512^2, 1.03 at 768^2, 1.23-1.27
+  // from 1024^2; causal forward 0.90 at 1024^2, 1.06 and 1.15 at 2048^2 and 4096^2; forward+backward
+  // 0.19-0.21 at 1024^2 and 2048^2. float16 there: forward 0.44-0.86 at 128^2-4096^2, causal
+  // 0.63-0.74 (SDPA's float16 is slower than its bfloat16 on AVX2).
   const int64_t scores = q.size(2) * k.size(2);
   const auto dtype = q.scalar_type();
+  const bool avx512 = cpu_capability() == Capability::kAvx512;
   if (dtype == at::kBFloat16 || dtype == at::kHalf) {
     if (cpu_has_amx(dtype)) {
       return false;
@@ -329,13 +378,15 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
       return true;
     }
     const bool sdpa_native = dtype == at::kHalf && cpu_has_avx512_fp16();  // its float16 GEMMs
-    return !sdpa_native && scores >= 128 * 128;
+    // (the AVX2 copy's bfloat16 forward: float32's bounds there, measured on AMD, taken everywhere)
+    const int64_t most = dtype == at::kBFloat16 && !avx512 && !with_grad ? (is_causal ? 1024 * 1024 : 512 * 512)
+                                                                          : std::numeric_limits<int64_t>::max();
+    return !sdpa_native && scores >= 128 * 128 && scores <= most;
   }
   // float32: the kernel from `least` to `most` scores a head, as measured on each CPU kind above.
   // Hygon (Zen cores, not measured), other vendors and Intel's AVX2 copy get the Intel sizes from
   // before the K^T copy (a forward up to 256^2), which keep SDPA at large sizes.
   const Vendor vendor = cpu_vendor();
-  const bool avx512 = cpu_capability() == Capability::kAvx512;
   constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max();
   const int64_t least = with_grad && !is_causal ? 64 * 64 : 128 * 128;
   int64_t most = with_grad || (avx512 && vendor == Vendor::kIntel) ? 512 * 512 : 256 * 256;

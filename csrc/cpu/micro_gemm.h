@@ -121,6 +121,8 @@ struct HeadRows {
 
   explicit HeadRows(const Tensor& t)
       : data(t.const_data_ptr<scalar_t>()), stride_n(t.stride(0)), stride_h(t.stride(1)), ld(t.stride(2)) {}
+  /// One head's rows, whichever (n, h) asks.
+  HeadRows(const scalar_t* rows, int64_t row_stride) : data(rows), stride_n(0), stride_h(0), ld(row_stride) {}
   const scalar_t* operator()(int64_t n, int64_t h, int64_t l = 0) const {
     return data + n * stride_n + h * stride_h + l * ld;
   }
