@@ -366,7 +366,10 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
   // converted head by head): forward 0.79, 0.93, 0.97 at 128^2-512^2, 1.03 at 768^2, 1.23-1.27
   // from 1024^2; causal forward 0.90 at 1024^2, 1.06 and 1.15 at 2048^2 and 4096^2; forward+backward
   // 0.19-0.21 at 1024^2 and 2048^2. float16 there: forward 0.44-0.86 at 128^2-4096^2, causal
-  // 0.63-0.74 (SDPA's float16 is slower than its bfloat16 on AVX2).
+  // 0.63-0.74 (SDPA's float16 is slower than its bfloat16 on AVX2). Below 128^2 there (5 rounds, 8
+  // x 8 heads unless said): bfloat16 0.56, 0.77, 0.76, 0.76 at 16^2, 32^2, 64^2, 96^2, 0.77-0.80
+  // at 16^2 and 64^2 with 8 heads of one sequence, 0.98 with one head of 64^2, causal 64^2 0.78;
+  // float16 0.48-0.73, one head of 64^2 0.69. So the AVX2 copy takes both from 16^2.
   const int64_t scores = q.size(2) * k.size(2);
   const auto dtype = q.scalar_type();
   const bool avx512 = cpu_capability() == Capability::kAvx512;
@@ -381,7 +384,8 @@ bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, b
     // (the AVX2 copy's bfloat16 forward: float32's bounds there, measured on AMD, taken everywhere)
     const int64_t most = dtype == at::kBFloat16 && !avx512 && !with_grad ? (is_causal ? 1024 * 1024 : 512 * 512)
                                                                           : std::numeric_limits<int64_t>::max();
-    return !sdpa_native && scores >= 128 * 128 && scores <= most;
+    const int64_t least = avx512 ? 128 * 128 : 16 * 16;
+    return !sdpa_native && scores >= least && scores <= most;
   }
   // float32: the kernel from `least` to `most` scores a head, as measured on each CPU kind above.
   // Hygon (Zen cores, not measured), other vendors and Intel's AVX2 copy get the Intel sizes from

@@ -257,7 +257,8 @@ AVX2_RULE_CHECK = RULE_CHECK.split("amd, intel, fp16")[0] + """
 cases = [(torch.bfloat16, 128, False, False, True), (torch.bfloat16, 512, False, False, True),
          (torch.bfloat16, 1024, False, False, False), (torch.bfloat16, 1024, True, False, True),
          (torch.bfloat16, 2048, True, False, False), (torch.bfloat16, 1024, False, True, True),
-         (torch.bfloat16, 64, False, False, False), (torch.float16, 1024, False, False, True),
+         (torch.bfloat16, 16, False, False, True), (torch.bfloat16, 8, False, False, False),
+         (torch.float16, 16, False, False, True), (torch.float16, 1024, False, False, True),
          (torch.float32, 512, False, False, True), (torch.float32, 1024, False, False, False),
          (torch.float32, 1024, True, False, True), (torch.float32, 2048, True, False, False)]
 for dtype, L, causal, train, expected in cases:
@@ -269,8 +270,9 @@ for dtype, L, causal, train, expected in cases:
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs AVX2")
 def test_the_avx2_copy_keeps_sdpa_where_it_was_measured_faster():
     """The AVX2 copy (the AMD EPYC Zen 3; TORCHMHA_CPU_CAPABILITY=avx2 puts it on any CPU), on AMD
-    without AMX: bfloat16 and float32 forward from 128^2 up to 512^2 scores a head, causal up to
-    1024^2; bfloat16 training without a bound; float16 (no AVX512-FP16) forward without one."""
+    without AMX: float32 forward from 128^2 and bfloat16's from 16^2, both up to 512^2 scores a head
+    (causal up to 1024^2); bfloat16 training without an upper bound; float16 (no AVX512-FP16) forward
+    from 16^2 without one."""
     run_python_with(AVX2_RULE_CHECK, set_env={"TORCHMHA_CPU_CAPABILITY": "avx2", "TORCHMHA_CPU_VENDOR": "amd",
                                                "TORCHMHA_AMX": "0", "TORCHMHA_AVX512_FP16": "0"},
                     unset=("TORCHMHA_BLOCKED_KERNEL",))
