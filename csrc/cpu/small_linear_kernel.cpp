@@ -197,8 +197,8 @@ bool run_integer_kernel(const Tensor& rows, const Tensor& weight, const Tensor& 
 
 // int8 weights at one row of x through 16-bit integer digits (linear_kernel_int16.cpp), rather
 // than the float loop, where torchmha's AVX2 copy runs (no VNNI there). AMD EPYC Zen 3, weight_reads'
-// 36 matrices at one row, alternated in one process (medians of 11-15 rounds, 3 runs): 1.04-1.10x
-// faster with 2 threads, 1.05x with 1. Not measured against the AVX-512 copy's four-features loop
+// 36 matrices at one row, 2 threads: 1.16-1.21x faster (alternated processes, 3 rounds; 1.04-1.10x
+// in one process before the accumulators were summed in int32). Not measured against the AVX-512 copy's four-features loop
 // (0.90-0.96 of the read rate on the Intel Xeon with AMX) or VNNI. TORCHMHA_INT16_DIGITS=1 takes
 // them wherever an AVX2 or AVX-512 copy runs and VNNI does not take the row, 0 never.
 bool int16_kernel_applies(int64_t M, int64_t K) {

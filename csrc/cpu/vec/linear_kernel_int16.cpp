@@ -65,15 +65,32 @@ void split(const float* row, __m256 factor, int16_t* high, int16_t* low) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(low), pack(_mm256_and_si256(u0, mask), _mm256_and_si256(u1, mask)));
 }
 
-// The sum of the int32 lanes of high * 2^15 + low, over kUnroll accumulators each, in int64.
-int64_t combine(const __m256i* high, const __m256i* low) {
+// Each int32 lane gains less than 2^23 a block of 16 columns. Up to this K the kUnroll
+// accumulators' lanes sum in int32: (K / 16) 2^23 < 2^31.
+constexpr int64_t kInt32SumMaxK = 4000;
+
+// The int32 lanes of v, widened and summed in int64 lanes.
+inline __m256i widened(__m256i v) {
+  return _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(v)),
+                          _mm256_cvtepi32_epi64(_mm256_extracti128_si256(v, 1)));
+}
+
+// The sum of the int32 lanes of high * 2^15 + low, over kUnroll accumulators each, in int64: the
+// accumulators added in int32 first where K allows (a fifth of a feature's instructions at K = 512
+// went to widening each of them).
+int64_t combine(const __m256i* high, const __m256i* low, int64_t K) {
   __m256i total = _mm256_setzero_si256();
-  for (int u = 0; u < kUnroll; ++u) {
-    const __m256i h = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(high[u])),
-                                       _mm256_cvtepi32_epi64(_mm256_extracti128_si256(high[u], 1)));
-    const __m256i l = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(low[u])),
-                                       _mm256_cvtepi32_epi64(_mm256_extracti128_si256(low[u], 1)));
-    total = _mm256_add_epi64(total, _mm256_add_epi64(_mm256_slli_epi64(h, 15), l));
+  if (K <= kInt32SumMaxK) {
+    __m256i h = high[0], l = low[0];
+    for (int u = 1; u < kUnroll; ++u) {
+      h = _mm256_add_epi32(h, high[u]);
+      l = _mm256_add_epi32(l, low[u]);
+    }
+    total = _mm256_add_epi64(_mm256_slli_epi64(widened(h), 15), widened(l));
+  } else {
+    for (int u = 0; u < kUnroll; ++u) {
+      total = _mm256_add_epi64(total, _mm256_add_epi64(_mm256_slli_epi64(widened(high[u]), 15), widened(low[u])));
+    }
   }
   alignas(32) int64_t lanes[4];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), total);
@@ -133,7 +150,7 @@ void quantized_row(const Int16Problem& p, int64_t begin, int64_t end) {
       for (int u = 0; u < kUnroll; ++u) block(w, high, low, k + 16 * u, high_sums[u], low_sums[u]);
     }
     for (; k + 16 <= K; k += 16) block(w, high, low, k, high_sums[0], low_sums[0]);
-    int64_t dot = combine(high_sums, low_sums);
+    int64_t dot = combine(high_sums, low_sums, K);
     for (; k < K; ++k) dot += int64_t(w[k]) * (int64_t(high[k]) * 32768 + low[k]);
     const double y = static_cast<double>(dot) * p.x.step * static_cast<double>(p.scale[o]);
     p.y[o] = static_cast<float>(p.bias != nullptr ? y + p.bias[o] : y);
