@@ -154,9 +154,8 @@ class _Int8Weights:
                           "written into them in place (load_state_dict under inference_mode, for one); call "
                           "refresh() after one", stacklevel=3)
 
-    def _stamps(self, params: List[Optional[Tensor]]) -> tuple:
-        sources = [params[i] for i in self.slots]
-        return [id(w) for w in sources], rules._tensor_stamps(sources)
+    def _stamps(self, params: List[Optional[Tensor]]) -> List[int]:
+        return rules._tensor_stamps(params, self.slots)
 
     def fresh(self, params: List[Optional[Tensor]]) -> bool:
         return self._stamps(params) == self.stamps
