@@ -156,6 +156,19 @@ void vnni_rows(const kernel::IntegerProblem& all, int64_t first, int64_t count, 
   kernel::avx512_vnni::quantized_rows(p, begin, end);
 }
 
+// fn(out, bias): the integer kernels' float32 sums into `out` with a float32 bias (or null); y
+// of another dtype gets them through a float32 buffer.
+template <typename Fn>
+void into_float(const Tensor& y, const OptionalTensor& bias, const Fn& fn) {
+  const bool in_float = y.scalar_type() == at::kFloat;
+  const Tensor out = in_float ? y : at::empty(y.sizes(), y.options().dtype(at::kFloat));
+  const Tensor float_bias = is_present(bias) ? bias->to(at::kFloat) : Tensor();
+  fn(out.data_ptr<float>(), float_bias.defined() ? float_bias.const_data_ptr<float>() : nullptr);
+  if (!in_float) {
+    y.copy_(out);
+  }
+}
+
 // x as integer digits against int8 weights: on the tiles (blocks of 16 features; the rest, and
 // everything without tiles, on VNNI, 4 rows at a time). False, with nothing written, where x holds
 // an inf or a NaN (the float kernel then runs).
@@ -170,37 +183,33 @@ bool run_integer_kernel(const Tensor& rows, const Tensor& weight, const Tensor& 
   if (!kernel::avx512_vnni::integer_rows(rows.data_ptr<float>(), M, K, x)) {
     return false;
   }
-  const bool in_float = y.scalar_type() == at::kFloat;
-  const Tensor out = in_float ? y : at::empty(y.sizes(), y.options().dtype(at::kFloat));
-  const Tensor float_bias = is_present(bias) ? bias->to(at::kFloat) : Tensor();
-  const kernel::IntegerProblem problem{x, weight.data_ptr<int8_t>(), weight.stride(0), scale.data_ptr<float>(),
-                                       float_bias.defined() ? float_bias.data_ptr<float>() : nullptr,
-                                       out.data_ptr<float>(), M, K, O};
-  int64_t done = 0;
-  if (tiles) {
-    const std::unique_ptr<uint32_t[]> packed(new uint32_t[padded_k * M]);  // (not zeroed: all written)
-    kernel::amx::pack_digits(x, M, packed.get());
-    done = for_each_tile_block(O, K, 1, [&](int64_t begin, int64_t end) {
-      kernel::amx::integer_tiles(problem, packed.get(), begin, end);
-    });
-  }
-  at::parallel_for(done, O, grain_of(K, 1), [&](int64_t begin, int64_t end) {
-    for (int64_t first = 0; first < M; first += kernel::kIntegerMaxRows) {
-      vnni_rows(problem, first, std::min(kernel::kIntegerMaxRows, M - first), begin, end);
+  into_float(y, bias, [&](float* out, const float* float_bias) {
+    const kernel::IntegerProblem problem{x, weight.data_ptr<int8_t>(), weight.stride(0), scale.data_ptr<float>(),
+                                         float_bias, out, M, K, O};
+    int64_t done = 0;
+    if (tiles) {
+      const std::unique_ptr<uint32_t[]> packed(new uint32_t[padded_k * M]);  // (not zeroed: all written)
+      kernel::amx::pack_digits(x, M, packed.get());
+      done = for_each_tile_block(O, K, 1, [&](int64_t begin, int64_t end) {
+        kernel::amx::integer_tiles(problem, packed.get(), begin, end);
+      });
     }
+    at::parallel_for(done, O, grain_of(K, 1), [&](int64_t begin, int64_t end) {
+      for (int64_t first = 0; first < M; first += kernel::kIntegerMaxRows) {
+        vnni_rows(problem, first, std::min(kernel::kIntegerMaxRows, M - first), begin, end);
+      }
+    });
   });
-  if (!in_float) {
-    y.copy_(out);
-  }
   return true;
 }
 
 // int8 weights at one row of x through 16-bit integer digits (linear_kernel_int16.cpp), rather
 // than the float loop, where torchmha's AVX2 copy runs (no VNNI there). AMD EPYC Zen 3, weight_reads'
 // 36 matrices at one row, 2 threads: 1.16-1.21x faster (alternated processes, 3 rounds; 1.04-1.10x
-// in one process before the accumulators were summed in int32). Not measured against the AVX-512 copy's four-features loop
-// (0.90-0.96 of the read rate on the Intel Xeon with AMX) or VNNI. TORCHMHA_INT16_DIGITS=1 takes
-// them wherever an AVX2 or AVX-512 copy runs and VNNI does not take the row, 0 never.
+// in one process before the accumulators were summed in int32). Not measured against the AVX-512
+// copy's four-features loop (0.90-0.96 of the read rate on the Intel Xeon with AMX) or VNNI.
+// TORCHMHA_INT16_DIGITS=1 takes them wherever an AVX2 or AVX-512 copy runs and VNNI does not take
+// the row, 0 never.
 bool int16_kernel_applies(int64_t M, int64_t K) {
   static const bool on = settings::read_switch("TORCHMHA_INT16_DIGITS").value_or(cpu_capability() == Capability::kAvx2) &&
       cpu_capability() != Capability::kNone;
@@ -218,18 +227,13 @@ bool run_int16_kernel(const Tensor& row, const Tensor& weight, const Tensor& sca
   if (!kernel::avx2_int16::int16_row(row.data_ptr<float>(), K, x)) {
     return false;
   }
-  const bool in_float = y.scalar_type() == at::kFloat;
-  const Tensor out = in_float ? y : at::empty(y.sizes(), y.options().dtype(at::kFloat));
-  const Tensor float_bias = is_present(bias) ? bias->to(at::kFloat) : Tensor();
-  const kernel::Int16Problem problem{x, weight.data_ptr<int8_t>(), weight.stride(0), scale.data_ptr<float>(),
-                                     float_bias.defined() ? float_bias.data_ptr<float>() : nullptr,
-                                     out.data_ptr<float>(), K, O};
-  at::parallel_for(0, O, grain_of(K, 1), [&](int64_t begin, int64_t end) {
-    kernel::avx2_int16::quantized_row(problem, begin, end);
+  into_float(y, bias, [&](float* out, const float* float_bias) {
+    const kernel::Int16Problem problem{x, weight.data_ptr<int8_t>(), weight.stride(0), scale.data_ptr<float>(),
+                                       float_bias, out, K, O};
+    at::parallel_for(0, O, grain_of(K, 1), [&](int64_t begin, int64_t end) {
+      kernel::avx2_int16::quantized_row(problem, begin, end);
+    });
   });
-  if (!in_float) {
-    y.copy_(out);
-  }
   return true;
 }
 
