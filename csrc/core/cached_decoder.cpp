@@ -37,8 +37,7 @@ OptionalTensor scale_slot(at::ArrayRef<OptionalTensor> params, at::ArrayRef<Opti
   const auto scale = slot(scales, layer, s);
   const auto weight = slot(params, layer, s);
   if (is_present(weight) && (is_present(scale) || weight->scalar_type() == at::kChar)) {
-    const std::string who = std::string(kWho) + ": layer " + std::to_string(layer) + "'s " + which + what;
-    check_weight_scale(*weight, scale, who.c_str());
+    check_weight_scale(*weight, scale, kWho, ": layer ", layer, "'s ", which, what);
   }
   return scale;
 }

@@ -89,21 +89,6 @@ std::tuple<Tensor, Tensor> quantize_weight(const Tensor& weight) {
   return {q.contiguous(), scale.contiguous()};
 }
 
-void check_weight_scale(const Tensor& weight, const OptionalTensor& scale, const char* what) {
-  if (!is_present(scale)) {
-    TORCH_CHECK_VALUE(weight.scalar_type() != at::kChar, what, ": an int8 weight needs its scale (quantize_weight's)");
-    return;
-  }
-  TORCH_CHECK_VALUE(weight.scalar_type() == at::kChar && weight.dim() == 2, what, ": a scale goes with an int8 ",
-                    "(out_features, in_features) weight, but the weight is ", weight.scalar_type(), " of shape ",
-                    weight.sizes());
-  TORCH_CHECK_VALUE(scale->scalar_type() == at::kFloat && scale->dim() == 1 && scale->size(0) == weight.size(0) &&
-                        scale->device() == weight.device(),
-                    what, ": expected a float32 scale of shape (", weight.size(0), ",) on ", weight.device(),
-                    " for the int8 weight ", weight.sizes(), ", but got ", scale->scalar_type(), " of shape ",
-                    scale->sizes(), " on ", scale->device());
-}
-
 Tensor quantized_linear_reference(const Tensor& x, const Tensor& weight, const Tensor& scale,
                                   const OptionalTensor& bias) {
   check_weight_scale(weight, scale, "quantized_linear");

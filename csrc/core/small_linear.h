@@ -33,9 +33,24 @@ Tensor small_linear_reference(const Tensor& x, const Tensor& weight, const Optio
 /// for an all-zero row), weight = round(row / scale), within [-127, 127].
 std::tuple<Tensor, Tensor> quantize_weight(const Tensor& weight);
 
-/// Throws naming `what` unless `scale` fits `weight`: int8 (O, K) with a float32 (O,) scale on
-/// its device, or a floating weight with no scale.
-void check_weight_scale(const Tensor& weight, const OptionalTensor& scale, const char* what);
+/// Throws naming `what` (its parts, put together only for the message) unless `scale` fits
+/// `weight`: int8 (O, K) with a float32 (O,) scale on its device, or a floating weight with no
+/// scale. (A decoder step checks its 36 weights so, each named by layer and slot.)
+template <typename... What>
+void check_weight_scale(const Tensor& weight, const OptionalTensor& scale, const What&... what) {
+  if (!is_present(scale)) {
+    TORCH_CHECK_VALUE(weight.scalar_type() != at::kChar, what..., ": an int8 weight needs its scale (quantize_weight's)");
+    return;
+  }
+  TORCH_CHECK_VALUE(weight.scalar_type() == at::kChar && weight.dim() == 2, what..., ": a scale goes with an int8 ",
+                    "(out_features, in_features) weight, but the weight is ", weight.scalar_type(), " of shape ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(scale->scalar_type() == at::kFloat && scale->dim() == 1 && scale->size(0) == weight.size(0) &&
+                        scale->device() == weight.device(),
+                    what..., ": expected a float32 scale of shape (", weight.size(0), ",) on ", weight.device(),
+                    " for the int8 weight ", weight.sizes(), ", but got ", scale->scalar_type(), " of shape ",
+                    scale->sizes(), " on ", scale->device());
+}
 
 /// The op quantized_linear's kernels: the reference dequantizes (weight * scale, in x's dtype)
 /// and runs at::linear, on any device and differentiable in x; the CPU kernel reads the int8 rows
