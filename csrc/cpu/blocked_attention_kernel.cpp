@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 
 #include <algorithm>
 #include <cmath>
@@ -95,10 +96,7 @@ HeadRows<float> float_rows(const HeadRows<scalar_t>& rows, int64_t n, int64_t h,
     }
     float* out = buffer.data_ptr<float>();
     for (int64_t l = first; l < last; ++l) {
-      const scalar_t* in = rows(n, h, l);
-      for (int64_t d = 0; d < D; ++d) {
-        out[l * D + d] = static_cast<float>(in[d]);
-      }
+      at::vec::convert(rows(n, h, l), out + l * D, D);
     }
     return HeadRows<float>(out, D);
   }
@@ -192,9 +190,10 @@ void forward_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const Opt
 void blocked_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
                               bool is_causal, const Tensor& heads_lnhd, const Tensor& lse) {
   switch (q.scalar_type()) {
+    case at::kFloat: return forward_kernel<float>(q, k, v, mask, is_causal, heads_lnhd, lse);
     case at::kBFloat16: return forward_kernel<c10::BFloat16>(q, k, v, mask, is_causal, heads_lnhd, lse);
     case at::kHalf: return forward_kernel<c10::Half>(q, k, v, mask, is_causal, heads_lnhd, lse);
-    default: return forward_kernel<float>(q, k, v, mask, is_causal, heads_lnhd, lse);
+    default: TORCH_INTERNAL_ASSERT(false, "blocked_attention_kernel: ", q.scalar_type(), " (blocked_kernel_applies)");
   }
 }
 
