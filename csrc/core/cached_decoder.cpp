@@ -69,6 +69,8 @@ LayerNormWeights norm_from_slots(at::ArrayRef<OptionalTensor> params, int64_t la
   return {slot(params, layer, weight), slot(params, layer, LayerSlot(weight + 1)), eps};
 }
 
+}  // namespace
+
 // The feed-forward's hidden activated, in place where nothing records or transforms it (the
 // hidden is the first linear's fresh output; a new one cost a step at 8 rows 6 allocations of 64
 // KB, which glibc hands back to the kernel between steps: 20 us a call of its page faults).
@@ -86,6 +88,8 @@ Tensor activate(Tensor x, const Activation& activation) {
   }
   TORCH_INTERNAL_ASSERT(false, "unknown activation");
 }
+
+namespace {
 
 Tensor norm(const Tensor& x, const LayerNormWeights& n) {
   return at::layer_norm(x, {x.size(-1)}, n.weight, n.bias, n.eps);
@@ -237,6 +241,9 @@ Tensor stack_step(const Tensor& tgt, const Stack& stack, const StackState& state
   TORCH_CHECK_VALUE(!training, kWho, ": the model is in training mode, where dropout makes every step differ from ",
                     "the full forward; call model.eval() first");
   check_step(tgt, stack, state);
+  if (auto out = kernel_step(tgt, stack, state, new_lengths)) {
+    return *std::move(out);
+  }
   const Tensor start = state.lengths.clone();  // every layer writes at the same positions
   Tensor x = tgt;
   for (size_t l = 0; l < stack.layers.size(); ++l) {

@@ -28,6 +28,8 @@ struct Activation {
   std::string op;  // kOp: the op's qualified name
 };
 Activation parse_activation(c10::string_view name);
+/// x activated, in place where nothing records or transforms it (x is then a fresh buffer).
+Tensor activate(Tensor x, const Activation& activation);
 
 /// The version of a weight that a staleness check of its int8 copy compares: its version counter,
 /// or -1 for an inference tensor (made under inference mode), which keeps none (a step then sees
@@ -95,6 +97,12 @@ using StackState = DecoderCache;  // (attention_arguments.h)
 /// zeros. Every check runs before lengths advance, so a failed step leaves the state as it was.
 Tensor stack_step(const Tensor& tgt, const Stack& stack, const StackState& state, const OptionalTensor& new_lengths,
                   bool training);
+
+/// stack_step through torchmha's CPU kernels into buffers made once a step (stack_kernel_step.cpp):
+/// the composition's results, for one new position per sequence on the CPU (the inputs it takes
+/// are listed there); nullopt, with nothing written, for the rest. TORCHMHA_KERNEL_STEP=0 never.
+std::optional<Tensor> kernel_step(const Tensor& tgt, const Stack& stack, const StackState& state,
+                                  const OptionalTensor& new_lengths);
 
 /// A decoder's memory (S, N, E) (batch_first: (N, S, E)) projected once through every layer's
 /// cross-attention: {keys, values}, (layers, N, H, S, D) each.

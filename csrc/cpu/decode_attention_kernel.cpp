@@ -255,23 +255,42 @@ std::optional<Tensor> decode_attention(const Tensor& q, const Tensor& k_new, con
   return out;
 }
 
+bool decode_attention_into(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
+                           const Tensor& v_cache, const Tensor& lengths, const Tensor& out) {
+  const auto step = checked_lengths(lengths, std::nullopt, q.size(2), k_cache.size(2), std::nullopt);
+  if (!kernel_applies(q, k_new, v_new, k_cache, v_cache, std::nullopt, 0.0) ||
+      prefill_takes_blocked_kernel(q, k_new, v_new, step, std::nullopt) || !out.is_contiguous() ||
+      out.sizes() != q.sizes() || out.scalar_type() != q.scalar_type()) {
+    return false;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention_cpu", [&] {
+    decode_attention_kernel<scalar_t>(q, k_new, v_new, k_cache, v_cache, step, std::nullopt, out);
+  });
+  return true;
+}
+
+bool static_attention_into(const Tensor& q, const Tensor& keys, const Tensor& values, const OptionalTensor& padding,
+                           const Tensor& out) {
+  if (!static_kernel_applies(q, keys, values, padding) || !out.is_contiguous() || out.sizes() != q.sizes() ||
+      out.scalar_type() != q.scalar_type()) {
+    return false;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "static_attention_cpu", [&] {
+    static_attention_kernel<scalar_t>(q, keys, values, padding, out);
+  });
+  return true;
+}
+
 std::optional<Tensor> static_attention(const Tensor& q, const Tensor& keys, const Tensor& values,
                                        const OptionalTensor& padding) {
   if (!static_kernel_applies(q, keys, values, padding)) {
     return std::nullopt;
   }
   Tensor out = at::empty(q.sizes(), q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "static_attention_cpu", [&] {
-    static_attention_kernel<scalar_t>(q, keys, values, padding, out);
-  });
+  static_attention_into(q, keys, values, padding, out);
   return out;
 }
 
-// Against SDPA with the same (N, 1, 1, S) mask, float32, 8 heads of 64, 2 threads, best of 3 (AMD
-// EPYC Zen 5, 2026-12-03), time ratios: S = 64 (the generation model's memory): 0.52 at T = 1,
-// 0.43 at N = 8, 0.52 at T = 16, 0.63 at 64, 0.76 at 256, 0.73-0.90 at 512-1024; S = 1024: 0.60 at
-// T = 1, 0.98 at 16, 1.05 at 32, 1.14 at 64; S = 256, 512: 1.11-1.16 from T = 32; S = 4096, T = 8:
-// 1.00. One pass per row costs S per row where SDPA's GEMMs share the keys' reads across rows.
 bool static_kernel_pays_off(int64_t T, int64_t S) {
   static const std::optional<bool> forced = settings::read_switch("TORCHMHA_STATIC_KERNEL");
   if (forced.has_value()) {

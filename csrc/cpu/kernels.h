@@ -75,6 +75,14 @@ std::optional<Tensor> static_attention(const Tensor& q, const Tensor& keys, cons
                                        const OptionalTensor& padding);
 /// Whether that kernel beats SDPA for T query rows over S keys (TORCHMHA_STATIC_KERNEL forces it).
 bool static_kernel_pays_off(int64_t T, int64_t S);
+/// The two passes into `out` (q's shape, contiguous), for a step whose buffers are made once
+/// (CachedDecoder's kernel step): decode_attention without new_lengths, dropout or a prefill, and
+/// lengths not advanced (the lengths checked as above); false, with nothing written, where the
+/// kernel does not take the call.
+bool decode_attention_into(const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& k_cache,
+                           const Tensor& v_cache, const Tensor& lengths, const Tensor& out);
+bool static_attention_into(const Tensor& q, const Tensor& keys, const Tensor& values, const OptionalTensor& padding,
+                           const Tensor& out);
 
 // ---------------------------------------------------------------- linear layers of a few rows
 // (small_linear_kernel.cpp: each weight row read once, at the read rate)
@@ -88,6 +96,11 @@ std::optional<Tensor> small_linear(const Tensor& x, const Tensor& weight, const 
 /// torchmha::quantized_linear: each int8 row read once, the sum taken in float.
 std::optional<Tensor> quantized_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
                                        const OptionalTensor& bias);
+/// Either of the two into `y` (x's rows by the weight's, contiguous, x's dtype), for up to
+/// kLinearMaxRows rows (scale present: int8 weights); false where the kernel hands the call back
+/// (y then unspecified).
+bool small_linear_into(const Tensor& x, const Tensor& weight, const OptionalTensor& scale, const OptionalTensor& bias,
+                       const Tensor& y);
 
 // ---------------------------------------------------------------- a residual's LayerNorm
 // (residual_norm_kernel.cpp: one pass over a decoding step's few rows)
@@ -98,5 +111,9 @@ std::optional<Tensor> quantized_linear(const Tensor& x, const Tensor& weight, co
 /// declines every call.
 std::optional<Tensor> residual_layer_norm(const Tensor& x, const Tensor& y, const OptionalTensor& weight,
                                           const OptionalTensor& bias, double eps);
+/// The same into `out` (x's shape, contiguous; it may be x or y itself: each element is read
+/// before it is written); false, with nothing written, where the kernel declines.
+bool residual_layer_norm_into(const Tensor& x, const Tensor& y, const OptionalTensor& weight, const OptionalTensor& bias,
+                              double eps, const Tensor& out);
 
 }  // namespace torchmha::cpu

@@ -82,19 +82,29 @@ void norm_rows(const scalar_t* x, const scalar_t* y, const scalar_t* weight, con
 
 }  // namespace
 
-std::optional<Tensor> residual_layer_norm(const Tensor& x, const Tensor& y, const OptionalTensor& weight,
-                                          const OptionalTensor& bias, double eps) {
-  if (!kernel_applies(x, y, weight, bias)) {
-    return std::nullopt;
+bool residual_layer_norm_into(const Tensor& x, const Tensor& y, const OptionalTensor& weight, const OptionalTensor& bias,
+                              double eps, const Tensor& out) {
+  if (!kernel_applies(x, y, weight, bias) || !out.is_contiguous() || out.scalar_type() != x.scalar_type() ||
+      out.numel() != x.numel()) {
+    return false;
   }
   const int64_t E = x.size(-1), rows = x.numel() / E;
-  Tensor out = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "residual_layer_norm_cpu", [&] {
     const scalar_t* w = is_present(weight) ? weight->const_data_ptr<scalar_t>() : nullptr;
     const scalar_t* b = is_present(bias) ? bias->const_data_ptr<scalar_t>() : nullptr;
     norm_rows(x.const_data_ptr<scalar_t>(), y.const_data_ptr<scalar_t>(), w, b, out.mutable_data_ptr<scalar_t>(), E,
               static_cast<float>(eps), rows);
   });
+  return true;
+}
+
+std::optional<Tensor> residual_layer_norm(const Tensor& x, const Tensor& y, const OptionalTensor& weight,
+                                          const OptionalTensor& bias, double eps) {
+  if (!kernel_applies(x, y, weight, bias)) {
+    return std::nullopt;
+  }
+  Tensor out = at::empty(x.sizes(), x.options());
+  residual_layer_norm_into(x, y, weight, bias, eps, out);
   return out;
 }
 

@@ -156,14 +156,33 @@ void vnni_rows(const kernel::IntegerProblem& all, int64_t first, int64_t count, 
   kernel::avx512_vnni::quantized_rows(p, begin, end);
 }
 
+// x's rows (M, K) in float32, as the float and integer loops read them: x's own data where it is
+// float32 and contiguous (no op: a decoding step makes 36 such calls, where each op costs about
+// as much as a small weight's read), else a converted copy, held in `copy`.
+struct FloatRows {
+  Tensor copy;
+  const float* data;
+  int64_t M, K;
+};
+FloatRows float_rows(const Tensor& x) {
+  const int64_t K = x.size(-1), M = x.numel() / K;
+  if (x.scalar_type() == at::kFloat && x.is_contiguous()) {
+    return {Tensor(), x.const_data_ptr<float>(), M, K};
+  }
+  Tensor copy = x.reshape({M, K}).to(at::kFloat).contiguous();
+  return {copy, copy.const_data_ptr<float>(), M, K};
+}
+
 // fn(out, bias): the integer kernels' float32 sums into `out` with a float32 bias (or null); y
-// of another dtype gets them through a float32 buffer.
+// of another dtype gets them through a float32 buffer, and a bias of another dtype through a copy.
 template <typename Fn>
 void into_float(const Tensor& y, const OptionalTensor& bias, const Fn& fn) {
   const bool in_float = y.scalar_type() == at::kFloat;
   const Tensor out = in_float ? y : at::empty(y.sizes(), y.options().dtype(at::kFloat));
-  const Tensor float_bias = is_present(bias) ? bias->to(at::kFloat) : Tensor();
-  fn(out.data_ptr<float>(), float_bias.defined() ? float_bias.const_data_ptr<float>() : nullptr);
+  const bool float_bias = is_present(bias) && bias->scalar_type() == at::kFloat;
+  const Tensor bias_copy = is_present(bias) && !float_bias ? bias->to(at::kFloat) : Tensor();
+  fn(out.data_ptr<float>(), float_bias ? bias->const_data_ptr<float>()
+                                        : bias_copy.defined() ? bias_copy.const_data_ptr<float>() : nullptr);
   if (!in_float) {
     y.copy_(out);
   }
@@ -172,15 +191,15 @@ void into_float(const Tensor& y, const OptionalTensor& bias, const Fn& fn) {
 // x as integer digits against int8 weights: on the tiles (blocks of 16 features; the rest, and
 // everything without tiles, on VNNI, 4 rows at a time). False, with nothing written, where x holds
 // an inf or a NaN (the float kernel then runs).
-bool run_integer_kernel(const Tensor& rows, const Tensor& weight, const Tensor& scale, const OptionalTensor& bias,
+bool run_integer_kernel(const FloatRows& rows, const Tensor& weight, const Tensor& scale, const OptionalTensor& bias,
                         const Tensor& y, bool tiles) {
-  const int64_t M = rows.size(0), K = rows.size(1), O = weight.size(0);
+  const int64_t M = rows.M, K = rows.K, O = weight.size(0);
   const int64_t padded_k = (K + 63) / 64 * 64;
-  const Tensor digits = at::empty({M * kernel::kDigits * padded_k}, rows.options().dtype(at::kChar));
+  const std::unique_ptr<int8_t[]> digits(new int8_t[M * kernel::kDigits * padded_k]);  // (integer_rows fills it)
   std::array<double, kernel::kLinearMaxRows> steps{};
   std::array<int64_t, kernel::kLinearMaxRows> sums{};
-  kernel::IntegerRows x{digits.data_ptr<int8_t>(), padded_k, steps.data(), sums.data()};
-  if (!kernel::avx512_vnni::integer_rows(rows.data_ptr<float>(), M, K, x)) {
+  kernel::IntegerRows x{digits.get(), padded_k, steps.data(), sums.data()};
+  if (!kernel::avx512_vnni::integer_rows(rows.data, M, K, x)) {
     return false;
   }
   into_float(y, bias, [&](float* out, const float* float_bias) {
@@ -218,13 +237,13 @@ bool int16_kernel_applies(int64_t M, int64_t K) {
 
 // One row of x as 16-bit digits against int8 weights. False, with nothing written, where x holds
 // an inf or a NaN, or is all below 2^-98 (the float kernel then runs).
-bool run_int16_kernel(const Tensor& row, const Tensor& weight, const Tensor& scale, const OptionalTensor& bias,
+bool run_int16_kernel(const FloatRows& row, const Tensor& weight, const Tensor& scale, const OptionalTensor& bias,
                       const Tensor& y) {
-  const int64_t K = row.size(1), O = weight.size(0);
+  const int64_t K = row.K, O = weight.size(0);
   const int64_t padded_k = (K + 15) / 16 * 16;
-  const Tensor digits = at::empty({2 * padded_k}, row.options().dtype(at::kShort));
-  kernel::Int16Rows x{digits.data_ptr<int16_t>(), padded_k, 0.0};
-  if (!kernel::avx2_int16::int16_row(row.data_ptr<float>(), K, x)) {
+  const std::unique_ptr<int16_t[]> digits(new int16_t[2 * padded_k]);  // (int16_row fills it)
+  kernel::Int16Rows x{digits.get(), padded_k, 0.0};
+  if (!kernel::avx2_int16::int16_row(row.data, K, x)) {
     return false;
   }
   into_float(y, bias, [&](float* out, const float* float_bias) {
@@ -317,9 +336,9 @@ void run_bfloat16_kernel(const Tensor& x, const Tensor& weight, const OptionalTe
 
 // Whether sum_k |W[o, k] x[m, k]| may pass float's range with int8 weights (|W| <= 128) before the
 // scale brings it back: then the dequantizing reference runs (it scales the weights first).
-bool int8_sums_may_overflow(const Tensor& rows) {
-  const float* x = rows.const_data_ptr<float>();
-  const int64_t n = rows.numel();
+bool int8_sums_may_overflow(const FloatRows& rows) {
+  const float* x = rows.data;
+  const int64_t n = rows.M * rows.K;
   // (eight running maxima: one chain of dependent maxss cost 13 us of a 110 us 8 x 2048 call)
   std::array<float, 8> lanes{};
   int64_t i = 0;
@@ -328,7 +347,7 @@ bool int8_sums_may_overflow(const Tensor& rows) {
   }
   for (; i < n; ++i) lanes[0] = std::max(lanes[0], std::abs(x[i]));
   const float largest = *std::max_element(lanes.begin(), lanes.end());
-  return !(largest * 128.0f * static_cast<float>(rows.size(1)) < std::numeric_limits<float>::max()) &&
+  return !(largest * 128.0f * static_cast<float>(rows.K) < std::numeric_limits<float>::max()) &&
       std::isfinite(largest);
 }
 
@@ -354,13 +373,13 @@ bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& sca
       }
     }
   }
-  const Tensor rows = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const FloatRows rows = float_rows(x);
   if constexpr (std::is_same_v<weight_t, int8_t>) {
-    const bool tiles = integer_tiles_apply(rows.size(0), K, O);
-    if ((tiles || integer_kernel_applies(rows.size(0), K)) && run_integer_kernel(rows, weight, *scale, bias, y, tiles)) {
+    const bool tiles = integer_tiles_apply(rows.M, K, O);
+    if ((tiles || integer_kernel_applies(rows.M, K)) && run_integer_kernel(rows, weight, *scale, bias, y, tiles)) {
       return true;
     }
-    if (int16_kernel_applies(rows.size(0), K) && run_int16_kernel(rows, weight, *scale, bias, y)) {
+    if (int16_kernel_applies(rows.M, K) && run_int16_kernel(rows, weight, *scale, bias, y)) {
       return true;
     }
     if (int8_sums_may_overflow(rows)) {
@@ -376,9 +395,9 @@ bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& sca
     }
   }
   const kernel::LinearProblem<scalar_t, weight_t> problem{
-      rows.data_ptr<float>(), weight.data_ptr<weight_t>(), weight.stride(0),
-      is_present(scale) ? scale->data_ptr<float>() : nullptr, is_present(bias) ? bias->data_ptr<scalar_t>() : nullptr,
-      y.data_ptr<scalar_t>(), rows.size(0), K, O};
+      rows.data, weight.const_data_ptr<weight_t>(), weight.stride(0),
+      is_present(scale) ? scale->const_data_ptr<float>() : nullptr,
+      is_present(bias) ? bias->const_data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(), rows.M, K, O};
   const bool avx512 = cpu_capability() == Capability::kAvx512;
   at::parallel_for(done, O, grain_of(K, sizeof(weight_t)), [&](int64_t begin, int64_t end) {
     avx512 ? kernel::avx512::linear_rows(problem, begin, end) : kernel::avx2::linear_rows(problem, begin, end);
@@ -444,6 +463,12 @@ std::optional<Tensor> small_linear(const Tensor& x, const Tensor& weight, const 
 std::optional<Tensor> quantized_linear(const Tensor& x, const Tensor& weight, const Tensor& scale,
                                        const OptionalTensor& bias) {
   return run(x, weight, scale, bias);
+}
+
+bool small_linear_into(const Tensor& x, const Tensor& weight, const OptionalTensor& scale, const OptionalTensor& bias,
+                       const Tensor& y) {
+  return kernel_applies(x, weight, scale, bias) && y.is_contiguous() && y.scalar_type() == x.scalar_type() &&
+      y.numel() == x.numel() / x.size(-1) * weight.size(0) && run_into(x, weight, scale, bias, y);
 }
 
 }  // namespace torchmha::cpu

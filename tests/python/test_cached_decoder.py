@@ -356,6 +356,56 @@ def test_post_norm_steps_without_gradients_within_torchs_own_error(dtype, config
         assert (got - exact).abs().max() <= 2 * torch_own + slack
 
 
+KERNEL_OPS = ("torchmha::small_linear", "torchmha::quantized_linear", "torchmha::decode_attention",
+              "torchmha::static_attention")
+
+
+@pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None),
+                                                 (torch.float32, torch.int8), (torch.bfloat16, torch.int8)],
+                         ids=["float32", "bfloat16", "float16", "int8", "bfloat16-int8"])
+@pytest.mark.parametrize("kind, batch_first, N, activation", [
+    ("decoder", False, 3, "relu"), ("transformer", True, 8, "gelu"), ("encoder", False, 1, F.silu)])
+def test_the_kernel_step_equals_the_composition_bit_for_bit(dtype, weight_dtype, kind, batch_first, N, activation):
+    """One new position per sequence on the CPU: the kernel step (csrc/core/stack_kernel_step.cpp)
+    calls the kernels directly, into buffers made once a step, and no op of theirs. A step with
+    new_lengths, which it leaves to the composition (layer_step), runs the same kernels through
+    their ops: the outputs and both caches are the same bit for bit, step after step."""
+    model = make_model(kind, batch_first=batch_first, activation=activation, dtype=dtype)
+    dec = torchmha.CachedDecoder(model, weight_dtype=weight_dtype)
+    gen = torch.Generator().manual_seed(1)
+
+    def rows(T):  # (N, T, E) in the model's layout
+        x = torch.randn(N, T, E, generator=gen).to(dtype)
+        return x if batch_first else x.transpose(0, 1)
+    memory = rows(S) if is_decoder(model) else None
+    mask = torch.arange(S).expand(N, S) >= torch.arange(S, S - N, -1).clamp(min=2).unsqueeze(1)  # some padded
+    states = [dec.new_state(N, 8, memory, mask if memory is not None else None) for _ in range(2)]
+    with torch.inference_mode():
+        for T in (3, 1, 1, 1):
+            x = rows(T)
+            with torch.profiler.profile() as prof:
+                kernel = dec(x, states[0])
+            composed = dec(x, states[1], torch.full((N,), T))
+            assert torch.equal(kernel, composed), f"step of {T}"
+            if T == 1:
+                assert not any(e.name in KERNEL_OPS for e in prof.events())
+    for mine, theirs in zip(states[0]._cache(), states[1]._cache()):
+        assert mine is None or torch.equal(mine, theirs)
+
+
+def test_a_kernel_step_into_a_full_cache_raises_as_the_composition_and_leaves_the_state():
+    """The kernel step leaves a full cache to the composition: the same error, nothing written."""
+    model = make_model(dtype=torch.float32)
+    dec = torchmha.CachedDecoder(model)
+    state = dec.new_state(2, 2, torch.randn(S, 2, E))
+    with torch.inference_mode():
+        dec(torch.randn(2, 2, E), state)
+        before = [t.clone() for t in state._cache()]
+        with pytest.raises(RuntimeError, match="the key/value cache is full: sequence 0 holds 2 of its 2 positions"):
+            dec(torch.randn(1, 2, E), state)
+    assert all(torch.equal(a, b) for a, b in zip(before, state._cache()))
+
+
 @pytest.mark.parametrize("activation, op", [("relu", "aten::relu_"), ("gelu", "aten::gelu_"), (F.silu, "aten::silu_")])
 def test_a_step_activates_the_hidden_in_place(activation, op):
     """The feed-forward's hidden (the first linear's own output) is activated in place, one op a

@@ -36,6 +36,9 @@ TRIGGERS = {
     "TORCHMHA_RESIDUAL_NORM": "m = torchmha.CachedDecoder(torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer("
                               "8, 1, 16, 0.0), 1, enable_nested_tensor=False).eval())\n"
                               "with torch.no_grad(): m(torch.randn(1, 1, 8), m.new_state(1, 2))",
+    "TORCHMHA_KERNEL_STEP": "m = torchmha.CachedDecoder(torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer("
+                            "8, 1, 16, 0.0), 1, enable_nested_tensor=False).eval())\n"
+                            "with torch.no_grad(): m(torch.randn(1, 1, 8), m.new_state(1, 2))",
     "TORCHMHA_VNNI": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
                      "torch.ops.torchmha.quantized_linear(torch.randn(1, 8), q, s, None)",
     "TORCHMHA_INT16_DIGITS": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
@@ -71,6 +74,7 @@ MALFORMED = [
     ("TORCHMHA_INT16_DIGITS", "16", SWITCH),
     ("TORCHMHA_LINEAR_BLOCKED_ROWS", "all", COUNT + " (rows of x)"),
     ("TORCHMHA_RESIDUAL_NORM", "fused", SWITCH),
+    ("TORCHMHA_KERNEL_STEP", "kernels", SWITCH),
     ("TORCHMHA_AVX512_BF16", "yes", SWITCH),
     ("TORCHMHA_AMX_LINEAR", "tiles", SWITCH),
     ("TORCHMHA_FLOAT32_GEMM", "float", SWITCH),
@@ -285,6 +289,23 @@ def test_micro_gemm_settings_move_products_to_aten(env, aten):
     on raw pointers (no ATen op); each setting sends its share to ATen's mm/addmm, with the same
     numbers."""
     run_python_with(MICRO_GEMMS.replace("ATEN", str(aten)), set_env=env)
+
+
+def test_kernel_step_setting_leaves_every_step_to_the_composition():
+    """TORCHMHA_KERNEL_STEP=0: a decoding step of one position runs the composition, whose kernels
+    are reached through their ops; unset, the kernel step calls them directly (no op)."""
+    code = """
+import torch, torchmha
+m = torchmha.CachedDecoder(torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 1, 16, 0.0), 1,
+                                                       enable_nested_tensor=False).eval())
+state = m.new_state(1, 2)
+with torch.inference_mode(), torch.profiler.profile() as prof:
+    m(torch.randn(1, 1, 8), state)
+names = [e.name for e in prof.events()]
+assert ("torchmha::small_linear" in names) == {}, names
+"""
+    run_python_with(code.format(True), set_env={"TORCHMHA_KERNEL_STEP": "0"})
+    run_python_with(code.format(False), unset=("TORCHMHA_KERNEL_STEP",))
 
 
 @pytest.mark.skipif(not (torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_vnni_supported()),
