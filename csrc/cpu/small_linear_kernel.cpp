@@ -88,9 +88,14 @@ int64_t tile_min_rows(int64_t measured) {
 // Weights under 2^18 elements lost on AMD (768x256 0.73x at 64 rows: the blocks' calls cost more
 // than the GEMM). bfloat16 x keeps 32 int8 rows and no float blocks: its GEMM (oneDNN on
 // AVX512-BF16 or AMX) overtook the blocks between 32 and 64 rows on AMD (549 against 326 GFLOP/s at
-// 128) and from 16 rows on Intel (290 against 169). Other CPUs (AVX2, other vendors): the same, not
-// measured. With AMX tiles (bfloat16 x and weights, K a multiple of 32): 16 rows for weights of
-// 256 KiB to 2 MiB (Intel Xeon with AMX: 0.59-0.74 of F.linear's time at 9-16 rows; 8-32 MiB
+// 128) and from 16 rows on Intel (290 against 169). The AVX2 copy on AMD (EPYC Zen 3, no AVX-512;
+// the same 36 weights, 2 threads, alternated processes), where MKL's GEMM of a few rows is slow:
+// blocks took of the GEMM's time, float32 0.64 at 9 rows, 0.78 at 16, 0.96 at 32, 1.04-1.17 at
+// 48-64; bfloat16 and float16 0.55-0.69 at 9-16, 0.78-0.88 at 32, 0.89-1.01 at 48; int8 weights
+// 0.34 at 9, 0.71 at 32, 0.86-0.91 at 64, 0.99-1.02 at 128 with float32 x, 0.29-0.51 at 32-64 with
+// bfloat16 x (dequantized to bfloat16 the GEMM runs in float32 copies). Other CPUs (AVX2, other
+// vendors): 32 int8 rows, no float blocks, not measured. With AMX tiles (bfloat16 x and weights, K
+// a multiple of 32): 16 rows for weights of 256 KiB to 2 MiB (Intel Xeon with AMX: 0.59-0.74 of F.linear's time at 9-16 rows; 8-32 MiB
 // weights 1.13-1.29, as each block re-reads them past L2; 128 KiB 1.03 at 16).
 // TORCHMHA_LINEAR_BLOCKED_ROWS=R sets the limit for every weight.
 int64_t blocked_rows(const Tensor& x, const Tensor& weight, bool quantized) {
@@ -103,6 +108,9 @@ int64_t blocked_rows(const Tensor& x, const Tensor& weight, bool quantized) {
       x.size(-1) % 32 == 0 && weight.size(0) >= 16 && bytes >= (int64_t(256) << 10) && bytes <= (int64_t(2) << 20) &&
       tiles_usable(Tiles::kBFloat16)) {
     return 16;
+  }
+  if (cpu_capability() == Capability::kAvx2 && cpu_vendor() == Vendor::kAmd) {
+    return quantized ? 64 : weight.numel() < (int64_t(1) << 18) ? 0 : 32;
   }
   const Vendor vendor = cpu_capability() == Capability::kAvx512 ? cpu_vendor() : Vendor::kOther;
   const bool measured = vendor == Vendor::kAmd || vendor == Vendor::kIntel;
