@@ -89,11 +89,12 @@ Tensor activate(Tensor x, const Activation& activation) {
   TORCH_INTERNAL_ASSERT(false, "unknown activation");
 }
 
-namespace {
-
 Tensor norm(const Tensor& x, const LayerNormWeights& n) {
   return at::layer_norm(x, {x.size(-1)}, n.weight, n.bias, n.eps);
 }
+
+namespace {
+
 
 // norm(x + y): torchmha's one-pass kernel where it takes the call (no gradient or trace), else
 // ATen's add and layer_norm.

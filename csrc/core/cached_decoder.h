@@ -41,6 +41,9 @@ struct LayerNormWeights {
   double eps = 1e-5;
 };
 
+/// layer_norm of x over its last dimension.
+Tensor norm(const Tensor& x, const LayerNormWeights& n);
+
 /// One layer's parameters and configuration, as nn.TransformerDecoderLayer holds them (an
 /// encoder layer has no cross-attention and no norm3).
 struct StackLayer {

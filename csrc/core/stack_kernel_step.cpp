@@ -56,11 +56,11 @@ bool norm_fits(const LayerNormWeights& n, int64_t E, at::ScalarType dtype) {
   return (!is_present(n.weight) || fits(n.weight, {E}, dtype)) && (!is_present(n.bias) || fits(n.bias, {E}, dtype));
 }
 
-// A post-norm layer of the model's sizes and dtype, with an activation of the step's own.
+// A layer of the model's sizes and dtype, with an activation of the step's own.
 bool layer_fits(const StackLayer& layer, int64_t E, at::ScalarType dtype) {
   const int64_t F = layer.linear1_weight.size(0);
   const bool cross = layer.cross_attn.has_value();
-  return !layer.norm_first && layer.activation.kind != Activation::kOp && attention_fits(layer.self_attn, E, dtype) &&
+  return layer.activation.kind != Activation::kOp && attention_fits(layer.self_attn, E, dtype) &&
       (!cross || attention_fits(*layer.cross_attn, E, dtype)) &&
       weight_fits(layer.linear1_weight, layer.linear1_weight_scale, {F, E}, dtype) &&
       (!is_present(layer.linear1_bias) || fits(layer.linear1_bias, {F}, dtype)) &&
@@ -71,7 +71,7 @@ bool layer_fits(const StackLayer& layer, int64_t E, at::ScalarType dtype) {
 }
 
 // What the step takes: one new position per sequence, no new_lengths, up to kMaxRows sequences,
-// post-norm layers with an activation of their own, every tensor on the CPU, contiguous (tgt may
+// layers with an activation of their own, every tensor on the CPU, contiguous (tgt may
 // be strided), in the model's dtype and of the sizes the model's implies, every cache with room for the position,
 // nothing that records a gradient or is transformed. Anything else is the composition's, with its
 // checks and errors. A kernel that declines a call then hands that call to its op (the same
@@ -117,7 +117,7 @@ void linear_into(const Tensor& x, const Tensor& weight, const OptionalTensor& bi
 // norm(x + y) into out (x itself): the kernel, or ATen's add and layer_norm.
 void add_norm_into(const Tensor& x, const Tensor& y, const LayerNormWeights& n, const Tensor& out) {
   if (!cpu::residual_layer_norm_into(x, y, n.weight, n.bias, n.eps, out)) {
-    out.copy_(at::layer_norm(x + y, {x.size(-1)}, n.weight, n.bias, n.eps));
+    out.copy_(norm(x + y, n));
   }
 }
 
@@ -190,6 +190,44 @@ void feed_forward(const Tensor& x, const StackLayer& layer, Buffers& b) {
   linear_into(activated, layer.linear2_weight, layer.linear2_bias, layer.linear2_weight_scale, b.projected);
 }
 
+// One layer into b.x, as layer_step: post-norm, each block's result added to x and normed (in
+// place); pre-norm, each block on x normed, its result added to x (in place).
+const Tensor& layer_into(const Tensor& x, const StackLayer& layer, int64_t index, const StackState& state,
+                         Buffers& b) {
+  const bool cross = layer.cross_attn.has_value();
+  const auto self_block = [&](const Tensor& y) {
+    self_attention(y, layer.self_attn, state.keys.select(0, index), state.values.select(0, index), state, b);
+  };
+  const auto cross_block = [&](const Tensor& y) {
+    cross_attention(y, *layer.cross_attn, state.memory_keys->select(0, index), state.memory_values->select(0, index),
+                    state.memory_padding, b);
+  };
+  const auto ff_block = [&](const Tensor& y) { feed_forward(y, layer, b); };
+  const LayerNormWeights& ff_norm = cross ? layer.norm3 : layer.norm2;
+  if (layer.norm_first) {
+    if (!x.is_same(b.x)) {
+      b.x.copy_(x);  // (tgt, in the first layer)
+    }
+    self_block(norm(b.x, layer.norm1));
+    b.x.add_(b.projected);
+    if (cross) {
+      cross_block(norm(b.x, layer.norm2));
+      b.x.add_(b.projected);
+    }
+    ff_block(norm(b.x, ff_norm));
+    return b.x.add_(b.projected);
+  }
+  self_block(x);
+  add_norm_into(x, b.projected, layer.norm1, b.x);
+  if (cross) {
+    cross_block(b.x);
+    add_norm_into(b.x, b.projected, layer.norm2, b.x);
+  }
+  ff_block(b.x);
+  add_norm_into(b.x, b.projected, ff_norm, b.x);
+  return b.x;
+}
+
 }  // namespace
 
 std::optional<Tensor> kernel_step(const Tensor& tgt, const Stack& stack, const StackState& state,
@@ -198,23 +236,12 @@ std::optional<Tensor> kernel_step(const Tensor& tgt, const Stack& stack, const S
     return std::nullopt;
   }
   Buffers b = make_buffers(tgt, stack, stack.layers.front().self_attn.num_heads);
-  Tensor x = tgt.contiguous();  // (then b.x: each residual's norm writes it in place)
+  Tensor x = tgt.contiguous();  // (then b.x, written in place by every layer)
   for (size_t l = 0; l < stack.layers.size(); ++l) {
-    const StackLayer& layer = stack.layers[l];
-    const auto index = static_cast<int64_t>(l);
-    self_attention(x, layer.self_attn, state.keys.select(0, index), state.values.select(0, index), state, b);
-    add_norm_into(x, b.projected, layer.norm1, b.x);
-    x = b.x;
-    if (layer.cross_attn.has_value()) {
-      cross_attention(x, *layer.cross_attn, state.memory_keys->select(0, index), state.memory_values->select(0, index),
-                      state.memory_padding, b);
-      add_norm_into(x, b.projected, layer.norm2, x);
-    }
-    feed_forward(x, layer, b);
-    add_norm_into(x, b.projected, layer.cross_attn.has_value() ? layer.norm3 : layer.norm2, x);
+    x = layer_into(x, stack.layers[l], static_cast<int64_t>(l), state, b);
   }
   if (stack.final_norm.has_value()) {
-    x = at::layer_norm(x, {x.size(-1)}, stack.final_norm->weight, stack.final_norm->bias, stack.final_norm->eps);
+    x = norm(x, *stack.final_norm);
   }
   state.lengths.add_(1);
   return x;

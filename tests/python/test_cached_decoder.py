@@ -363,14 +363,16 @@ KERNEL_OPS = ("torchmha::small_linear", "torchmha::quantized_linear", "torchmha:
 @pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None),
                                                  (torch.float32, torch.int8), (torch.bfloat16, torch.int8)],
                          ids=["float32", "bfloat16", "float16", "int8", "bfloat16-int8"])
-@pytest.mark.parametrize("kind, batch_first, N, activation", [
-    ("decoder", False, 3, "relu"), ("transformer", True, 8, "gelu"), ("encoder", False, 1, F.silu)])
-def test_the_kernel_step_equals_the_composition_bit_for_bit(dtype, weight_dtype, kind, batch_first, N, activation):
+@pytest.mark.parametrize("kind, batch_first, N, activation, norm_first", [
+    ("decoder", False, 3, "relu", False), ("transformer", True, 8, "gelu", False), ("encoder", False, 1, F.silu, False),
+    ("decoder", True, 2, "gelu", True), ("encoder", False, 4, "relu", True)])
+def test_the_kernel_step_equals_the_composition_bit_for_bit(dtype, weight_dtype, kind, batch_first, N, activation,
+                                                            norm_first):
     """One new position per sequence on the CPU: the kernel step (csrc/core/stack_kernel_step.cpp)
     calls the kernels directly, into buffers made once a step, and no op of theirs. A step with
     new_lengths, which it leaves to the composition (layer_step), runs the same kernels through
     their ops: the outputs and both caches are the same bit for bit, step after step."""
-    model = make_model(kind, batch_first=batch_first, activation=activation, dtype=dtype)
+    model = make_model(kind, batch_first=batch_first, activation=activation, norm_first=norm_first, dtype=dtype)
     dec = torchmha.CachedDecoder(model, weight_dtype=weight_dtype)
     gen = torch.Generator().manual_seed(1)
 
