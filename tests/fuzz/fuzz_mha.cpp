@@ -169,9 +169,10 @@ void fuzz_cached_step(Choices& c) {
                                  {padding, dropout, /*training=*/dropout > 0, batch_first}, new_lengths);
 }
 
-// One int8 step of a 1-layer encoder stack through decoder_step (the int8 linear kernel reads raw
-// pointers): random rows (past the kernel's 8 sometimes), dtypes, and scales that sometimes do not
-// fit (missing, a wrong length or dtype, on a slot that is not a weight).
+// One int8 step of a 1-layer encoder stack through decoder_step (the int8 linear kernel and the
+// kernel step read raw pointers): random rows (past the kernel's 8 sometimes), dtypes, pre- or
+// post-norm, scales that sometimes do not fit (missing, a wrong length or dtype, on a slot that is
+// not a weight), and caches that sometimes do not fit.
 void fuzz_int8_step(Choices& c) {
   const int64_t H = 1 + c.below(3), D = 1 + c.below(9), E = H * D, F = 1 + c.below(40), N = 1 + c.below(3);
   const int64_t T = c.below(8) == 0 ? 9 + c.below(4) : c.below(4), M = T + c.below(3);
@@ -198,7 +199,9 @@ void fuzz_int8_step(Choices& c) {
     case 2: scales.set(c.below(12), at::ones({E}, at::kDouble)); break;
     default: break;
   }
-  auto keys = at::zeros({1, N, H, M, D}, options), values = at::zeros_like(keys);
+  // (caches that sometimes do not fit the heads: the kernel step reads them through raw pointers)
+  auto keys = at::zeros({1, N, H + (c.below(16) == 0), M, D + (c.below(16) == 0)}, options);
+  auto values = c.below(16) == 0 ? at::zeros({1, N, H, M + 1, D}, options) : at::zeros_like(keys);
   const torchmha::DecoderCache cache{keys, values, at::zeros({N}, at::kLong), std::nullopt, std::nullopt, std::nullopt};
   at::NoGradGuard inference;
   torchmha::decoder_step(at::randn({T, N, E + (c.below(8) == 0)}, options), params, cache, H, {"relu"},
