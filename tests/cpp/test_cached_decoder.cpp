@@ -252,6 +252,26 @@ TEST(CachedDecoder, Int8StepsEqualTheDequantizedModel) {
              decoder_forward(model, x.narrow(0, 0, 1), memory)).abs().max().item<double>(), 1e-5);
 }
 
+// One position a sequence in float32 takes the kernel step (csrc/core/stack_kernel_step.cpp); the
+// same step with new_lengths runs the composition: the same outputs and caches, bit for bit.
+TEST(CachedDecoder, OnePositionStepsEqualTheCompositionBitForBit) {
+  for (const auto weight_dtype : {std::optional<at::ScalarType>(), std::optional<at::ScalarType>(torch::kChar)}) {
+    torch::manual_seed(5);
+    auto model = make_decoder();
+    model->to(torch::kFloat32);
+    torchmha::CachedDecoder dec(model, weight_dtype);
+    c10::InferenceMode inference;
+    const auto memory = torch::randn({kMemoryLength, 3, kDModel});
+    auto kernel = dec.new_state(3, 8, memory), composed = dec.new_state(3, 8, memory);
+    for (const int64_t T : {2, 1, 1, 1}) {
+      const auto x = torch::randn({T, 3, kDModel});
+      EXPECT_TRUE(torch::equal(dec(x, kernel), dec(x, composed, torch::full({3}, T, torch::kLong)))) << T;
+    }
+    EXPECT_TRUE(torch::equal(kernel.keys(), composed.keys()) && torch::equal(kernel.values(), composed.values()));
+    EXPECT_TRUE(torch::equal(kernel.lengths(), composed.lengths()));
+  }
+}
+
 TEST(CachedDecoder, Int8WeightsFollowAChangedModel) {
   torch::manual_seed(4);
   auto model = make_encoder();
