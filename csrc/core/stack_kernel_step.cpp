@@ -4,8 +4,8 @@
 // for bit; what it leaves out is the composition's glue. That glue was about 70 ATen calls a layer
 // (views to and from heads, narrows, clones of the lengths, every kernel's output allocated, each
 // kernel reached through the dispatcher) and cost more than the kernels themselves in a step of a
-// small model: 6 layers of d_model 64 took 205 us in C++, of which the kernels took about 50 (AMD
-// EPYC Zen 3, 2 threads; benchmarks/README.md).
+// small model: 6 layers of d_model 64 took 205 us in C++ with int8 weights, of which the kernels
+// took about 50; 102 us this way (AMD EPYC Zen 3, 2 threads; benchmarks/README.md).
 
 #include "cached_decoder.h"
 
@@ -82,8 +82,13 @@ bool takes(const Tensor& tgt, const Stack& stack, const StackState& state, const
   const int64_t H = stack.layers.front().self_attn.num_heads, N = tgt.size(batch_dim(stack.batch_first));
   if (!enabled() || is_present(new_lengths) || !tgt.device().is_cpu() || tgt.size(sequence_dim(stack.batch_first)) != 1 ||
       (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) || N > kMaxRows ||
-      H <= 0 || E % H != 0 || state.keys.dim() != 5 || transformed({tgt, state.keys, state.values}) ||
-      records_grad({tgt})) {
+      H <= 0 || E % H != 0 || state.keys.dim() != 5) {
+    return false;
+  }
+  const Tensor memory_keys = state.memory_keys.value_or(Tensor()), memory_values = state.memory_values.value_or(Tensor());
+  const Tensor padding = state.memory_padding.value_or(Tensor());
+  if (transformed({tgt, state.keys, state.values, memory_keys, memory_values, padding}) ||
+      records_grad({tgt, state.keys, state.values, memory_keys, memory_values, padding})) {
     return false;
   }
   const int64_t M = state.keys.size(3), D = E / H;
