@@ -80,12 +80,14 @@ bool takes(const Tensor& tgt, const Stack& stack, const StackState& state, const
   const auto dtype = tgt.scalar_type();
   const int64_t L = static_cast<int64_t>(stack.layers.size()), E = tgt.size(-1);
   const int64_t H = stack.layers.front().self_attn.num_heads, N = tgt.size(batch_dim(stack.batch_first));
-  if (!enabled() || is_present(new_lengths) || !tgt.device().is_cpu() || tgt.size(sequence_dim(stack.batch_first)) != 1 ||
+  if (!enabled() || is_present(new_lengths) || !tgt.device().is_cpu() ||
+      tgt.size(sequence_dim(stack.batch_first)) != 1 ||
       (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) || N > kMaxRows ||
       H <= 0 || E % H != 0 || state.keys.dim() != 5) {
     return false;
   }
-  const Tensor memory_keys = state.memory_keys.value_or(Tensor()), memory_values = state.memory_values.value_or(Tensor());
+  const Tensor memory_keys = state.memory_keys.value_or(Tensor());
+  const Tensor memory_values = state.memory_values.value_or(Tensor());
   const Tensor padding = state.memory_padding.value_or(Tensor());
   if (transformed({tgt, state.keys, state.values, memory_keys, memory_values, padding}) ||
       records_grad({tgt, state.keys, state.values, memory_keys, memory_values, padding})) {

@@ -113,7 +113,7 @@ std::optional<Tensor> residual_layer_norm(const Tensor& x, const Tensor& y, cons
                                           const OptionalTensor& bias, double eps);
 /// The same into `out` (x's shape, contiguous; it may be x or y itself: each element is read
 /// before it is written); false, with nothing written, where the kernel declines.
-bool residual_layer_norm_into(const Tensor& x, const Tensor& y, const OptionalTensor& weight, const OptionalTensor& bias,
-                              double eps, const Tensor& out);
+bool residual_layer_norm_into(const Tensor& x, const Tensor& y, const OptionalTensor& weight,
+                              const OptionalTensor& bias, double eps, const Tensor& out);
 
 }  // namespace torchmha::cpu

@@ -82,8 +82,8 @@ void norm_rows(const scalar_t* x, const scalar_t* y, const scalar_t* weight, con
 
 }  // namespace
 
-bool residual_layer_norm_into(const Tensor& x, const Tensor& y, const OptionalTensor& weight, const OptionalTensor& bias,
-                              double eps, const Tensor& out) {
+bool residual_layer_norm_into(const Tensor& x, const Tensor& y, const OptionalTensor& weight,
+                              const OptionalTensor& bias, double eps, const Tensor& out) {
   if (!kernel_applies(x, y, weight, bias) || !out.is_contiguous() || out.scalar_type() != x.scalar_type() ||
       out.numel() != x.numel()) {
     return false;

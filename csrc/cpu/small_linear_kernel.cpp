@@ -95,8 +95,9 @@ int64_t tile_min_rows(int64_t measured) {
 // 0.34 at 9, 0.71 at 32, 0.86-0.91 at 64, 0.99-1.02 at 128 with float32 x, 0.29-0.51 at 32-64 with
 // bfloat16 x (dequantized to bfloat16 the GEMM runs in float32 copies). Other CPUs (AVX2, other
 // vendors): 32 int8 rows, no float blocks, not measured. With AMX tiles (bfloat16 x and weights, K
-// a multiple of 32): 16 rows for weights of 256 KiB to 2 MiB (Intel Xeon with AMX: 0.59-0.74 of F.linear's time at 9-16 rows; 8-32 MiB
-// weights 1.13-1.29, as each block re-reads them past L2; 128 KiB 1.03 at 16).
+// a multiple of 32): 16 rows for weights of 256 KiB to 2 MiB (Intel Xeon with AMX: 0.59-0.74 of
+// F.linear's time at 9-16 rows; 8-32 MiB weights 1.13-1.29, as each block re-reads them past L2;
+// 128 KiB 1.03 at 16).
 // TORCHMHA_LINEAR_BLOCKED_ROWS=R sets the limit for every weight.
 int64_t blocked_rows(const Tensor& x, const Tensor& weight, bool quantized) {
   static const std::optional<int64_t> forced = settings::read_count("TORCHMHA_LINEAR_BLOCKED_ROWS", "rows of x");
