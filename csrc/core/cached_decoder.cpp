@@ -95,7 +95,6 @@ Tensor norm(const Tensor& x, const LayerNormWeights& n) {
 
 namespace {
 
-
 // norm(x + y): torchmha's one-pass kernel where it takes the call (no gradient or trace), else
 // ATen's add and layer_norm.
 Tensor add_norm(const Tensor& x, const Tensor& y, const LayerNormWeights& n) {
@@ -130,41 +129,42 @@ void check_step(const Tensor& tgt, const Stack& stack, const StackState& state) 
                                     : "an encoder's state has no memory");
 }
 
-Tensor layer_step(Tensor x, const StackLayer& layer, int64_t index, const StackState& state, const Tensor& start,
-                  const OptionalTensor& new_lengths, bool batch_first) {
-  DecodingCall self_call;
-  self_call.batch_first = batch_first;
-  const auto self_block = [&](const Tensor& y) {
+// The composition's blocks (run_layer): the decoding pipelines of cached_attention.h, each
+// kernel reached through its op.
+struct ComposedBlocks {
+  const StackLayer& layer;
+  int64_t index;
+  const StackState& state;
+  const Tensor& start;
+  const OptionalTensor& new_lengths;
+  DecodingCall self_call, cross_call;
+
+  ComposedBlocks(const StackLayer& layer, int64_t index, const StackState& state, const Tensor& start,
+                 const OptionalTensor& new_lengths, bool batch_first)
+      : layer(layer), index(index), state(state), start(start), new_lengths(new_lengths) {
+    self_call.batch_first = batch_first;
+    cross_call = self_call;
+    cross_call.key_padding_mask = state.memory_padding;
+  }
+  Tensor self_attention(const Tensor& y) const {
     // attention_with_cache advances the lengths it gets; the stack's lengths advance once, at the end.
     return attention_with_cache(y, state.keys[index], state.values[index], start.clone(), new_lengths,
                                 layer.self_attn, self_call);
-  };
-  DecodingCall cross_call = self_call;
-  cross_call.key_padding_mask = state.memory_padding;
-  const auto cross_block = [&](const Tensor& y) {
+  }
+  Tensor cross_attention(const Tensor& y) const {
     return attention_with_static_key_value(y, (*state.memory_keys)[index], (*state.memory_values)[index],
                                            *layer.cross_attn, cross_call);
-  };
-  const auto feed_forward = [&](const Tensor& y) {
+  }
+  Tensor feed_forward(const Tensor& y) const {
     const Tensor hidden = linear_layer(y, layer.linear1_weight, layer.linear1_bias, layer.linear1_weight_scale);
     return linear_layer(activate(hidden, layer.activation), layer.linear2_weight, layer.linear2_bias,
                         layer.linear2_weight_scale);
-  };
-  const bool cross = layer.cross_attn.has_value();
-  const LayerNormWeights& ff_norm = cross ? layer.norm3 : layer.norm2;
-  if (layer.norm_first) {
-    x = x + self_block(norm(x, layer.norm1));
-    if (cross) {
-      x = x + cross_block(norm(x, layer.norm2));
-    }
-    return x + feed_forward(norm(x, ff_norm));
   }
-  x = add_norm(x, self_block(x), layer.norm1);
-  if (cross) {
-    x = add_norm(x, cross_block(x), layer.norm2);
+  Tensor add(const Tensor& x, const Tensor& y) const { return x + y; }
+  Tensor add_norm(const Tensor& x, const Tensor& y, const LayerNormWeights& n) const {
+    return core::add_norm(x, y, n);
   }
-  return add_norm(x, feed_forward(x), ff_norm);
-}
+};
 
 // The sequences `slots` name, as a 1-D int64 index on `like`'s device (all if absent).
 Tensor slot_index(const OptionalTensor& slots, const Tensor& lengths) {
@@ -248,7 +248,8 @@ Tensor stack_step(const Tensor& tgt, const Stack& stack, const StackState& state
   const Tensor start = state.lengths.clone();  // every layer writes at the same positions
   Tensor x = tgt;
   for (size_t l = 0; l < stack.layers.size(); ++l) {
-    x = layer_step(x, stack.layers[l], static_cast<int64_t>(l), state, start, new_lengths, stack.batch_first);
+    ComposedBlocks blocks(stack.layers[l], static_cast<int64_t>(l), state, start, new_lengths, stack.batch_first);
+    x = run_layer(x, stack.layers[l], blocks);
   }
   if (stack.final_norm.has_value()) {
     x = norm(x, *stack.final_norm);

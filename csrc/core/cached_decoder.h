@@ -57,6 +57,29 @@ struct StackLayer {
   bool norm_first = false;
 };
 
+/// One layer's blocks in the order torch's layers run them, the one home of that order for both
+/// steps (stack_step's composition and kernel_step): pre-norm, x + block(norm(x)) for each block;
+/// post-norm, norm(x + block(x)). `blocks` gives each block's result, self_attention(y),
+/// cross_attention(y) and feed_forward(y), and the residuals, add(x, y) (x + y) and
+/// add_norm(x, y, n) (norm(x + y)).
+template <typename Blocks>
+Tensor run_layer(Tensor x, const StackLayer& layer, Blocks& blocks) {
+  const bool cross = layer.cross_attn.has_value();
+  const LayerNormWeights& ff_norm = cross ? layer.norm3 : layer.norm2;
+  if (layer.norm_first) {
+    x = blocks.add(x, blocks.self_attention(norm(x, layer.norm1)));
+    if (cross) {
+      x = blocks.add(x, blocks.cross_attention(norm(x, layer.norm2)));
+    }
+    return blocks.add(x, blocks.feed_forward(norm(x, ff_norm)));
+  }
+  x = blocks.add_norm(x, blocks.self_attention(x), layer.norm1);
+  if (cross) {
+    x = blocks.add_norm(x, blocks.cross_attention(x), layer.norm2);
+  }
+  return blocks.add_norm(x, blocks.feed_forward(x), ff_norm);
+}
+
 /// The layers' parameters as the ops take them: kLayerSlots entries per layer, in this order
 /// (absent ones None), then the final norm's weight and bias.
 enum LayerSlot : int64_t {

@@ -71,11 +71,12 @@ bool layer_fits(const StackLayer& layer, int64_t E, at::ScalarType dtype) {
 }
 
 // What the step takes: one new position per sequence, no new_lengths, up to kMaxRows sequences,
-// layers with an activation of their own, every tensor on the CPU, contiguous (tgt may
-// be strided), in the model's dtype and of the sizes the model's implies, every cache with room for the position,
-// nothing that records a gradient or is transformed. Anything else is the composition's, with its
-// checks and errors. A kernel that declines a call then hands that call to its op (the same
-// result); these conditions keep that rare.
+// layers with an activation of their own, every tensor on the CPU, contiguous (tgt may be
+// strided), in the model's dtype and of the sizes the model implies, nothing that records a
+// gradient or is transformed. Anything else is the composition's, with its checks and errors. A
+// kernel that declines a call then hands that call to its op (the same result); these conditions
+// keep that rare. (A full cache raises the composition's error from the decode kernel's own
+// check, in the first layer, before any cache is written.)
 bool takes(const Tensor& tgt, const Stack& stack, const StackState& state, const OptionalTensor& new_lengths) {
   const auto dtype = tgt.scalar_type();
   const int64_t L = static_cast<int64_t>(stack.layers.size()), E = tgt.size(-1);
@@ -105,12 +106,8 @@ bool takes(const Tensor& tgt, const Stack& stack, const StackState& state, const
       return false;
     }
   }
-  if (!std::all_of(stack.layers.begin(), stack.layers.end(),
-                   [&](const StackLayer& layer) { return layer_fits(layer, E, dtype); })) {
-    return false;
-  }
-  const int64_t* lengths = state.lengths.const_data_ptr<int64_t>();
-  return std::all_of(lengths, lengths + N, [M](int64_t l) { return l >= 0 && l < M; });
+  return std::all_of(stack.layers.begin(), stack.layers.end(),
+                     [&](const StackLayer& layer) { return layer_fits(layer, E, dtype); });
 }
 
 // y = x W^T + b into y: the kernel, or the op (linear_layer) where it hands the call back.
@@ -197,43 +194,38 @@ void feed_forward(const Tensor& x, const StackLayer& layer, Buffers& b) {
   linear_into(activated, layer.linear2_weight, layer.linear2_bias, layer.linear2_weight_scale, b.projected);
 }
 
-// One layer into b.x, as layer_step: post-norm, each block's result added to x and normed (in
-// place); pre-norm, each block on x normed, its result added to x (in place).
-const Tensor& layer_into(const Tensor& x, const StackLayer& layer, int64_t index, const StackState& state,
-                         Buffers& b) {
-  const bool cross = layer.cross_attn.has_value();
-  const auto self_block = [&](const Tensor& y) {
-    self_attention(y, layer.self_attn, state.keys.select(0, index), state.values.select(0, index), state, b);
-  };
-  const auto cross_block = [&](const Tensor& y) {
-    cross_attention(y, *layer.cross_attn, state.memory_keys->select(0, index), state.memory_values->select(0, index),
-                    state.memory_padding, b);
-  };
-  const auto ff_block = [&](const Tensor& y) { feed_forward(y, layer, b); };
-  const LayerNormWeights& ff_norm = cross ? layer.norm3 : layer.norm2;
-  if (layer.norm_first) {
+// The kernel step's blocks (run_layer): each writes its result into b.projected, each residual
+// into b.x, in place (post-norm: the norm kernel; pre-norm: ATen's add_ after tgt is copied in).
+struct KernelBlocks {
+  const StackLayer& layer;
+  int64_t index;
+  const StackState& state;
+  Buffers& b;
+
+  const Tensor& self_attention(const Tensor& y) const {
+    core::self_attention(y, layer.self_attn, state.keys.select(0, index), state.values.select(0, index), state, b);
+    return b.projected;
+  }
+  const Tensor& cross_attention(const Tensor& y) const {
+    core::cross_attention(y, *layer.cross_attn, state.memory_keys->select(0, index),
+                          state.memory_values->select(0, index), state.memory_padding, b);
+    return b.projected;
+  }
+  const Tensor& feed_forward(const Tensor& y) const {
+    core::feed_forward(y, layer, b);
+    return b.projected;
+  }
+  const Tensor& add(const Tensor& x, const Tensor& y) const {
     if (!x.is_same(b.x)) {
       b.x.copy_(x);  // (tgt, in the first layer)
     }
-    self_block(norm(b.x, layer.norm1));
-    b.x.add_(b.projected);
-    if (cross) {
-      cross_block(norm(b.x, layer.norm2));
-      b.x.add_(b.projected);
-    }
-    ff_block(norm(b.x, ff_norm));
-    return b.x.add_(b.projected);
+    return b.x.add_(y);
   }
-  self_block(x);
-  add_norm_into(x, b.projected, layer.norm1, b.x);
-  if (cross) {
-    cross_block(b.x);
-    add_norm_into(b.x, b.projected, layer.norm2, b.x);
+  const Tensor& add_norm(const Tensor& x, const Tensor& y, const LayerNormWeights& n) const {
+    add_norm_into(x, y, n, b.x);
+    return b.x;
   }
-  ff_block(b.x);
-  add_norm_into(b.x, b.projected, ff_norm, b.x);
-  return b.x;
-}
+};
 
 }  // namespace
 
@@ -245,7 +237,8 @@ std::optional<Tensor> kernel_step(const Tensor& tgt, const Stack& stack, const S
   Buffers b = make_buffers(tgt, stack, stack.layers.front().self_attn.num_heads);
   Tensor x = tgt.contiguous();  // (then b.x, written in place by every layer)
   for (size_t l = 0; l < stack.layers.size(); ++l) {
-    x = layer_into(x, stack.layers[l], static_cast<int64_t>(l), state, b);
+    KernelBlocks blocks{stack.layers[l], static_cast<int64_t>(l), state, b};
+    x = run_layer(x, stack.layers[l], blocks);
   }
   if (stack.final_norm.has_value()) {
     x = norm(x, *stack.final_norm);
