@@ -174,8 +174,8 @@ void reset_cache(const Tensor& lengths, const OptionalTensor& slots) {
   }
 }
 
-std::tuple<Tensor, Tensor> project_key_value(const Tensor& key, const Tensor& value, const AttentionWeights& w,
-                                             bool batch_first) {
+std::tuple<Tensor, Tensor> key_value_heads(const Tensor& key, const Tensor& value, const AttentionWeights& w,
+                                           bool batch_first) {
   check_no_extra_key_positions(w, "project_key_value");
   checked_head_dim(w);
   check_batched(key, "key", "project_key_value");
@@ -184,8 +184,14 @@ std::tuple<Tensor, Tensor> project_key_value(const Tensor& key, const Tensor& va
   check_in_projection(w.in_proj, w.in_proj.inner(), -1, key.size(-1), value.size(-1));
   auto heads = project_to_heads(Tensor(), key, value, w.in_proj, sharing_of(Tensor(), key, value), w.num_heads,
                                 batch_first);
+  return std::make_tuple(std::move(heads[1]), std::move(heads[2]));
+}
+
+std::tuple<Tensor, Tensor> project_key_value(const Tensor& key, const Tensor& value, const AttentionWeights& w,
+                                             bool batch_first) {
+  auto [keys, values] = key_value_heads(key, value, w, batch_first);
   // Contiguous once here, so every decoding step reads them without a copy.
-  return std::make_tuple(heads[1].contiguous(), heads[2].contiguous());
+  return std::make_tuple(keys.contiguous(), values.contiguous());
 }
 
 Tensor attention_with_static_key_value(const Tensor& query, const Tensor& keys, const Tensor& values,

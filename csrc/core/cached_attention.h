@@ -42,6 +42,10 @@ void reset_cache(const Tensor& lengths, const OptionalTensor& slots);
 /// A fixed memory's keys and values, projected once: {keys, values}, (N, H, S, D) each, contiguous.
 std::tuple<Tensor, Tensor> project_key_value(const Tensor& key, const Tensor& value, const AttentionWeights& weights,
                                              bool batch_first);
+/// The same, checked and projected, as strided views of the projection's output (for a caller
+/// that copies them once into a buffer of its own).
+std::tuple<Tensor, Tensor> key_value_heads(const Tensor& key, const Tensor& value, const AttentionWeights& weights,
+                                           bool batch_first);
 
 /// Attention of query to keys and values from project_key_value (no causal mask).
 Tensor attention_with_static_key_value(const Tensor& query, const Tensor& keys, const Tensor& values,
