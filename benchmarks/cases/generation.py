@@ -191,10 +191,21 @@ def step_work(model: nn.Transformer, N: int, position: int, T: int) -> tuple[int
     return read, 2 * N * T * matrix + 4 * N * E * layers * pairs
 
 
+def memory_work(model: nn.Transformer, N: int, weight_size: int | None = None) -> tuple[int, int]:
+    """(bytes, GEMM FLOPs) of projecting the memory once, at the start (new_state): every layer's
+    cross-attention key/value weights (of weight_size bytes an element; the model's if None) and the
+    memory read, its keys and values written; an (N S, E) x (E, 2 E) product a layer."""
+    decoder, E, S = model.decoder, model.d_model, GENERATION_MODEL["S"]
+    layers, size = len(decoder.layers), decoder.layers[0].linear1.weight.element_size()
+    read = layers * 2 * E * E * (weight_size or size) + size * N * S * E * (1 + 2 * layers)
+    return read, 2 * N * S * layers * 2 * E * E
+
+
 def generation_floor_ms(model: nn.Transformer, N: int, P: int, G: int, read_bytes_s: float,
                         mm_gflop_s: float) -> float:
-    """The sum over steps of the longer of reading the step's bytes and running its GEMM FLOPs."""
-    work = [step_work(model, N, position, T) for position, T in generation_steps(P, G)]
+    """The sum over the memory's projection and every step of the longer of reading its bytes and
+    running its GEMM FLOPs."""
+    work = [memory_work(model, N)] + [step_work(model, N, position, T) for position, T in generation_steps(P, G)]
     return 1e3 * sum(max(read / read_bytes_s, flops / (mm_gflop_s * 1e9)) for read, flops in work)
 
 
@@ -250,7 +261,7 @@ def generation_rows(dtype: torch.dtype, N: int, P: int, G: int, m: GenerationMea
     gemm_of = "" if dtype == torch.float32 else f", the faster of {name}'s and float32's"
     floor_notes = (f"floor {m.floor_ms:.0f} ms: per step max(bytes / {m.read_gb_s:.1f} GB/s read, "
                    f"GEMM FLOPs / {m.mm_gflop_s:.0f} GFLOP/s torch.mm{gemm_of}), summed over the prefill and {G} "
-                   f"tokens")
+                   f"tokens, and the memory's projection")
     rows.append(Row("generation_floor", setting, {"ours": t["ours"], "floor": m.floor_ms}, m.diffs["ours"],
                     Target("floor/ours", ">=", GENERATION_FLOOR_TARGET[N]), floor_of_ours, floor_notes, data))
     if N == 1 and G == 256:  # issue 25: the cache must pay off 10x on a long batch-1 generation
@@ -390,7 +401,8 @@ def generation_int8(settings: Settings) -> list[Row]:
         outputs = {name: fn().float() for name, fn in peers.items()}
         deviation = max_abs_diff(outputs["ours"], outputs["float32"])
         times, _ = timed_rounds(peers, settings, reference="float32")
-        work = [int8_step_work(model, N, position, T) for position, T in generation_steps(P, G)]
+        work = [memory_work(model, N, weight_size=1)] + [int8_step_work(model, N, position, T)
+                                                         for position, T in generation_steps(P, G)]
         if read is None:  # a sum over as many bytes as an int8 step reads
             buffer = torch.ones(max(r for r, _ in work) // 4, device=settings.device)
             read, mm = streaming_rate(buffer, settings.min_run_time), mm_gflops(torch.float32, settings)
