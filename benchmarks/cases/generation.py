@@ -270,13 +270,15 @@ def generation_rows(dtype: torch.dtype, N: int, P: int, G: int, m: GenerationMea
     return rows
 
 
-def best_gemm_gflops(dtype: torch.dtype, settings: Settings) -> float:
+def best_gemm_gflops(dtype: torch.dtype, rates: dict[torch.dtype, float], settings: Settings) -> float:
     """The best GEMM rate a step in `dtype` can use: torch.mm's in that dtype, or float32's where that
     is faster, as a reduced-precision product can always run in float32 (torchmha's do, where a rule
     measured it faster: on CPUs without bfloat16 hardware, whose bfloat16 torch.mm runs at 1-3
-    GFLOP/s, that floor was meaningless)."""
-    rate = mm_gflops(dtype, settings)
-    return rate if dtype == torch.float32 else max(rate, mm_gflops(torch.float32, settings))
+    GFLOP/s, that floor was meaningless). `rates` keeps each dtype's torch.mm rate, measured once."""
+    for each in {dtype, torch.float32}:
+        if each not in rates:
+            rates[each] = mm_gflops(each, settings)
+    return max(rates[dtype], rates[torch.float32])
 
 
 @case
@@ -288,9 +290,8 @@ def generation(settings: Settings) -> list[Row]:
     rows = []
     for dtype, N, P, G in tqdm(GENERATION_SETTINGS, desc="generation settings", leave=False):
         G = G // 4 if settings.quick else G
-        if dtype not in mm_rates:
-            mm_rates[dtype] = best_gemm_gflops(dtype, settings)
-        rows += generation_rows(dtype, N, P, G, measure_generation(settings, dtype, N, P, G, mm_rates[dtype]))
+        best_rate = best_gemm_gflops(dtype, mm_rates, settings)
+        rows += generation_rows(dtype, N, P, G, measure_generation(settings, dtype, N, P, G, best_rate))
     return rows
 
 

@@ -284,24 +284,16 @@ std::tuple<std::vector<OptionalTensor>, std::vector<OptionalTensor>> quantize_st
 std::tuple<Tensor, Tensor> project_stack_memory(const Tensor& memory, const Stack& stack) {
   TORCH_CHECK_VALUE(stack.decoder(), kWho, ": an encoder has no memory to attend to; new_state takes memory only "
                     "for a decoder");
-  // Each layer's heads written once, into their place in the stack's buffers: contiguous copies,
-  // then at::stack over them, were two passes (new_state at 8 sequences of 64 memory positions,
-  // E = 512, AMD EPYC Zen 3, profiled: 45 ms of copies and cat in 5 calls, now 30 of copies).
-  // (Every layer projects the same memory with the same heads: the shapes agree.)
-  const auto layers = static_cast<int64_t>(stack.layers.size());
-  Tensor keys, values;
-  for (int64_t l = 0; l < layers; ++l) {
-    auto [k, v] = key_value_heads(memory, memory, *stack.layers[l].cross_attn, stack.batch_first);
-    if (l == 0) {
-      std::vector<int64_t> shape{layers};
-      shape.insert(shape.end(), k.sizes().begin(), k.sizes().end());
-      keys = at::empty(shape, k.options());
-      values = at::empty(shape, v.options());
-    }
-    keys.select(0, l).copy_(k);
-    values.select(0, l).copy_(v);
+  // Each layer's heads as views of its projection, stacked in one pass: made contiguous first (as
+  // project_key_value returns them), that was two (new_state at 8 sequences of 64 memory positions,
+  // E = 512, AMD EPYC Zen 3, profiled over 5 calls: copies and cat 45.5 ms, the cat of views 23.6).
+  std::vector<Tensor> keys, values;
+  for (const auto& layer : stack.layers) {
+    auto [k, v] = key_value_heads(memory, memory, *layer.cross_attn, stack.batch_first);
+    keys.push_back(std::move(k));
+    values.push_back(std::move(v));
   }
-  return {keys, values};
+  return {at::stack(keys), at::stack(values)};
 }
 
 Tensor memory_padding(const OptionalTensor& mask, int64_t batch, int64_t src_len, const Tensor& like) {

@@ -11,6 +11,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
+#include <ATen/cpu/vec/vec_base.h>
 
 #include <algorithm>
 #include <array>
@@ -187,14 +188,12 @@ FloatRows float_rows(const Tensor& x) {
   const bool half_here = x.scalar_type() == at::kHalf && M * K <= 2048;
   if ((x.scalar_type() == at::kBFloat16 || half_here) && x.is_contiguous()) {
     std::unique_ptr<float[]> converted(new float[M * K]);
-    if (x.scalar_type() == at::kBFloat16) {
-      const c10::BFloat16* in = x.const_data_ptr<c10::BFloat16>();
-      for (int64_t i = 0; i < M * K; ++i) converted[i] = static_cast<float>(in[i]);
-    } else {
-      const c10::Half* in = x.const_data_ptr<c10::Half>();
-      for (int64_t i = 0; i < M * K; ++i) converted[i] = static_cast<float>(in[i]);
-    }
     const float* data = converted.get();
+    if (x.scalar_type() == at::kBFloat16) {
+      at::vec::convert(x.const_data_ptr<c10::BFloat16>(), converted.get(), M * K);
+    } else {
+      at::vec::convert(x.const_data_ptr<c10::Half>(), converted.get(), M * K);
+    }
     return {Tensor(), std::move(converted), data, M, K};
   }
   Tensor copy = x.reshape({M, K}).to(at::kFloat).contiguous();
