@@ -90,11 +90,12 @@ int64_t tile_min_rows(int64_t measured) {
 // than the GEMM). bfloat16 x keeps 32 int8 rows and no float blocks: its GEMM (oneDNN on
 // AVX512-BF16 or AMX) overtook the blocks between 32 and 64 rows on AMD (549 against 326 GFLOP/s at
 // 128) and from 16 rows on Intel (290 against 169). The AVX2 copy on AMD (EPYC Zen 3, no AVX-512;
-// the same 36 weights, 2 threads, alternated processes), where MKL's GEMM of a few rows is slow:
-// blocks took of the GEMM's time, float32 0.64 at 9 rows, 0.78 at 16, 0.96 at 32, 1.04-1.17 at
-// 48-64; bfloat16 and float16 0.55-0.69 at 9-16, 0.78-0.88 at 32, 0.89-1.01 at 48; int8 weights
-// 0.34 at 9, 0.71 at 32, 0.86-0.91 at 64, 0.99-1.02 at 128 with float32 x, 0.29-0.51 at 32-64 with
-// bfloat16 x (dequantized to bfloat16 the GEMM runs in float32 copies). Other CPUs (AVX2, other
+// the same 36 weights, 2 threads, alternated processes, 3 rounds), where MKL's GEMM of a few rows
+// is slow, with the blocks taking each chunk of features through every block (run_kernel): blocks
+// took of the GEMM's time, float32 0.64-0.82 at 64 rows, 0.74-0.93 at 96, 0.80-1.06 at 128,
+// 0.94-1.06 at 192; float16 0.55-0.76 at 64, 0.69-0.94 at 128, 0.84-1.05 at 192; bfloat16 (its GEMM
+// in float32 copies) 0.38-0.74 at 64, 0.58-1.07 at 128; int8 weights with float32 x 0.52-0.61 at
+// 128, 0.86-1.11 at 256. (A block at a time, before, float32 lost from 48 rows.) Other CPUs (AVX2, other
 // vendors): 32 int8 rows, no float blocks, not measured. With AMX tiles (bfloat16 x and weights, K
 // a multiple of 32): 16 rows for weights of 256 KiB to 2 MiB (Intel Xeon with AMX: 0.59-0.74 of
 // F.linear's time at 9-16 rows; 8-32 MiB weights 1.13-1.29, as each block re-reads them past L2;
@@ -112,7 +113,7 @@ int64_t blocked_rows(const Tensor& x, const Tensor& weight, bool quantized) {
     return 16;
   }
   if (cpu_capability() == Capability::kAvx2 && cpu_vendor() == Vendor::kAmd) {
-    return quantized ? 64 : weight.numel() < (int64_t(1) << 18) ? 0 : 32;
+    return !quantized && weight.numel() < (int64_t(1) << 18) ? 0 : 128;
   }
   const Vendor vendor = cpu_capability() == Capability::kAvx512 ? cpu_vendor() : Vendor::kOther;
   const bool measured = vendor == Vendor::kAmd || vendor == Vendor::kIntel;
@@ -378,6 +379,20 @@ bool int8_sums_may_overflow(const FloatRows& rows) {
       std::isfinite(largest);
 }
 
+// Output features a thread takes through every block of rows before its next ones: 64 features of
+// 512 float32 weights are 128 KiB, in L2. AMD EPYC Zen 3, weight_reads' 36 matrices at 16 and 64
+// rows: 32-128 within 5% of each other, 16 and 256 up to 10% slower.
+constexpr int64_t kFeatureChunk = 64;
+
+// Rows [row, row + kLinearMaxRows) of p (fewer at the end).
+template <typename scalar_t, typename weight_t>
+kernel::LinearProblem<scalar_t, weight_t> rows_block(kernel::LinearProblem<scalar_t, weight_t> p, int64_t row) {
+  p.x += row * p.K;
+  p.y += row * p.O;
+  p.M = std::min(kernel::kLinearMaxRows, p.M - row);
+  return p;
+}
+
 // False where the kernel declines the call (then the reference runs).
 template <typename scalar_t, typename weight_t>
 bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& scale, const OptionalTensor& bias,
@@ -426,8 +441,18 @@ bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& sca
       is_present(scale) ? scale->const_data_ptr<float>() : nullptr,
       is_present(bias) ? bias->const_data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(), rows.M, K, O};
   const bool avx512 = cpu_capability() == Capability::kAvx512;
+  // Past kLinearMaxRows rows (float_loop_only), blocks of them: each thread takes its features a
+  // chunk at a time through every block, so the chunk's weights come from memory once and from
+  // L1/L2 for the other blocks (a block at a time re-read them all from memory).
+  const int64_t chunk = rows.M > kernel::kLinearMaxRows ? kFeatureChunk : O;
   at::parallel_for(done, O, grain_of(K, sizeof(weight_t)), [&](int64_t begin, int64_t end) {
-    avx512 ? kernel::avx512::linear_rows(problem, begin, end) : kernel::avx2::linear_rows(problem, begin, end);
+    for (int64_t first = begin; first < end; first += chunk) {
+      const int64_t last = std::min(end, first + chunk);
+      for (int64_t row = 0; row < rows.M; row += kernel::kLinearMaxRows) {
+        const auto block = rows_block(problem, row);
+        avx512 ? kernel::avx512::linear_rows(block, first, last) : kernel::avx2::linear_rows(block, first, last);
+      }
+    }
   });
   return true;
 }
@@ -446,8 +471,16 @@ bool run_into(const Tensor& x, const Tensor& weight, const OptionalTensor& scale
   return done;
 }
 
+// Whether run_kernel takes x's rows only in the float loop, the one path that takes more than
+// kLinearMaxRows rows in a call (in blocks): the AVX2 copy has no other past one row (tiles, VNNI
+// and dot products are AVX-512's), nor has float32 x against float32 weights.
+bool float_loop_only(const Tensor& x, const OptionalTensor& scale) {
+  return cpu_capability() == Capability::kAvx2 || (x.scalar_type() == at::kFloat && !is_present(scale));
+}
+
 // The kernel on up to kLinearMaxRows rows of x at once, or on blocks of that many up to
-// blocked_rows, each written into its rows of the output.
+// blocked_rows: all in one call where only the float loop runs, else a block at a time, each
+// written into its rows of the output.
 std::optional<Tensor> run(const Tensor& x, const Tensor& weight, const OptionalTensor& scale,
                           const OptionalTensor& bias) {
   const int64_t K = x.dim() > 0 ? x.size(-1) : 0;
@@ -467,6 +500,9 @@ std::optional<Tensor> run(const Tensor& x, const Tensor& weight, const OptionalT
     return run_into(x, weight, scale, bias, y) ? std::optional<Tensor>(y) : std::nullopt;
   }
   const Tensor out = y.view({rows, weight.size(0)});
+  if (float_loop_only(x, scale)) {
+    return run_into(flat, weight, scale, bias, out) ? std::optional<Tensor>(y) : std::nullopt;
+  }
   for (int64_t row = 0; row < rows; row += kernel::kLinearMaxRows) {
     const int64_t n = std::min(kernel::kLinearMaxRows, rows - row);
     if (!run_into(flat.narrow(0, row, n), weight, scale, bias, out.narrow(0, row, n))) {

@@ -164,7 +164,8 @@ def test_blocks_of_rows_compute_the_same_and_refuse_what_linear_refuses():
 import re, sys, pytest, torch, torch.nn.functional as F; sys.path.insert(0, %r); import test_small_linear as t
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
     for rows in (9, 17, 63):
-        t.test_small_linear_matches_linear(dtype, rows, 512, 96, True)
+        for O in (96, 300):
+            t.test_small_linear_matches_linear(dtype, rows, 512, O, True)
 x, w = torch.randn(20, 3, 32).transpose(0, 1), torch.randn(48, 32)
 torch.testing.assert_close(t.op(x, w, None), F.linear(x, w), atol=1e-5, rtol=0)
 x, vector = torch.randn(20, 8), torch.randn(8)
