@@ -91,11 +91,12 @@ int64_t tile_min_rows(int64_t measured) {
 // AVX512-BF16 or AMX) overtook the blocks between 32 and 64 rows on AMD (549 against 326 GFLOP/s at
 // 128) and from 16 rows on Intel (290 against 169). The AVX2 copy on AMD (EPYC Zen 3, no AVX-512;
 // the same 36 weights, 2 threads, alternated processes, 3 rounds), where MKL's GEMM of a few rows
-// is slow, with the blocks taking each chunk of features through every block (run_kernel): blocks
+// is slow, with the blocks taking each chunk of features through every block (float_loop): blocks
 // took of the GEMM's time, float32 0.64-0.82 at 64 rows, 0.74-0.93 at 96, 0.80-1.06 at 128,
 // 0.94-1.06 at 192; float16 0.55-0.76 at 64, 0.69-0.94 at 128, 0.84-1.05 at 192; bfloat16 (its GEMM
 // in float32 copies) 0.38-0.74 at 64, 0.58-1.07 at 128; int8 weights with float32 x 0.52-0.61 at
-// 128, 0.86-1.11 at 256. (A block at a time, before, float32 lost from 48 rows.) Other CPUs (AVX2, other
+// 128, 0.86-1.11 at 256, with bfloat16 x 0.33-0.51 at 64, 0.57-0.73 at 128. (A block at a time,
+// before, float32 lost from 48 rows.) Other CPUs (AVX2, other
 // vendors): 32 int8 rows, no float blocks, not measured. With AMX tiles (bfloat16 x and weights, K
 // a multiple of 32): 16 rows for weights of 256 KiB to 2 MiB (Intel Xeon with AMX: 0.59-0.74 of
 // F.linear's time at 9-16 rows; 8-32 MiB weights 1.13-1.29, as each block re-reads them past L2;
