@@ -11,7 +11,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
-#include <ATen/cpu/vec/vec_base.h>
 
 #include <algorithm>
 #include <array>
@@ -96,8 +95,8 @@ int64_t tile_min_rows(int64_t measured) {
 // 0.94-1.06 at 192; float16 0.55-0.76 at 64, 0.69-0.94 at 128, 0.84-1.05 at 192; bfloat16 (its GEMM
 // in float32 copies) 0.38-0.74 at 64, 0.58-1.07 at 128; int8 weights with float32 x 0.52-0.61 at
 // 128, 0.86-1.11 at 256, with bfloat16 x 0.33-0.51 at 64, 0.57-0.73 at 128. (A block at a time,
-// before, float32 lost from 48 rows.) Other CPUs (AVX2, other
-// vendors): 32 int8 rows, no float blocks, not measured. With AMX tiles (bfloat16 x and weights, K
+// before, float32 lost from 48 rows.) Other CPUs (AVX2, other vendors): 32 int8 rows, no float
+// blocks, not measured. With AMX tiles (bfloat16 x and weights, K
 // a multiple of 32): 16 rows for weights of 256 KiB to 2 MiB (Intel Xeon with AMX: 0.59-0.74 of
 // F.linear's time at 9-16 rows; 8-32 MiB weights 1.13-1.29, as each block re-reads them past L2;
 // 128 KiB 1.03 at 16).
@@ -182,20 +181,19 @@ FloatRows float_rows(const Tensor& x) {
   if (x.scalar_type() == at::kFloat && x.is_contiguous()) {
     return {Tensor(), nullptr, x.const_data_ptr<float>(), M, K};
   }
-  // Contiguous bfloat16 rows converted here (exactly: a bfloat16 is a float32's high half), not by
-  // x.to(float): its 30 ATen calls a step made a 6-layer d_model 64 bfloat16 step 244-266 us
-  // against 161 in float32, 170-174 with this (AMD EPYC Zen 3). float16 only up to 2048 values: this
-  // file is built for the baseline CPU, without F16C, and its scalar conversion of 8 x 2048 took
-  // 33 us a call against ATen's 16-17 (1 x 64: 3.2 against 5.6).
-  const bool half_here = x.scalar_type() == at::kHalf && M * K <= 2048;
-  if ((x.scalar_type() == at::kBFloat16 || half_here) && x.is_contiguous()) {
+  // Contiguous bfloat16 and float16 rows converted here, exactly, with the instruction set's
+  // conversions (this file is built for the baseline CPU), not by x.to(float): its 30 ATen calls a
+  // step made a 6-layer d_model 64 bfloat16 step 244-266 us against 161 in float32, 170-174 with
+  // this (AMD EPYC Zen 3).
+  if ((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) && x.is_contiguous()) {
     std::unique_ptr<float[]> converted(new float[M * K]);
+    const auto convert = [&](const auto* values) {
+      cpu_capability() == Capability::kAvx512 ? kernel::avx512::to_float(values, M * K, converted.get())
+                                              : kernel::avx2::to_float(values, M * K, converted.get());
+    };
+    x.scalar_type() == at::kBFloat16 ? convert(x.const_data_ptr<c10::BFloat16>())
+                                     : convert(x.const_data_ptr<c10::Half>());
     const float* data = converted.get();
-    if (x.scalar_type() == at::kBFloat16) {
-      at::vec::convert(x.const_data_ptr<c10::BFloat16>(), converted.get(), M * K);
-    } else {
-      at::vec::convert(x.const_data_ptr<c10::Half>(), converted.get(), M * K);
-    }
     return {Tensor(), std::move(converted), data, M, K};
   }
   Tensor copy = x.reshape({M, K}).to(at::kFloat).contiguous();

@@ -28,6 +28,8 @@ struct LinearProblem {
 };
 
 /// Output features [begin, end) of `p`, for every row of x. M is at most kLinearMaxRows.
+/// to_float: n bfloat16 or float16 values as float32 (exactly), with this instruction set's
+/// conversions (x for the float loop).
 constexpr int64_t kLinearMaxRows = 8;
 namespace avx2 {
 void linear_rows(const LinearProblem<float>& p, int64_t begin, int64_t end);
@@ -36,6 +38,8 @@ void linear_rows(const LinearProblem<c10::Half>& p, int64_t begin, int64_t end);
 void linear_rows(const LinearProblem<float, int8_t>& p, int64_t begin, int64_t end);
 void linear_rows(const LinearProblem<c10::BFloat16, int8_t>& p, int64_t begin, int64_t end);
 void linear_rows(const LinearProblem<c10::Half, int8_t>& p, int64_t begin, int64_t end);
+void to_float(const c10::BFloat16* x, int64_t n, float* out);
+void to_float(const c10::Half* x, int64_t n, float* out);
 }  // namespace avx2
 namespace avx512 {
 void linear_rows(const LinearProblem<float>& p, int64_t begin, int64_t end);
@@ -44,6 +48,8 @@ void linear_rows(const LinearProblem<c10::Half>& p, int64_t begin, int64_t end);
 void linear_rows(const LinearProblem<float, int8_t>& p, int64_t begin, int64_t end);
 void linear_rows(const LinearProblem<c10::BFloat16, int8_t>& p, int64_t begin, int64_t end);
 void linear_rows(const LinearProblem<c10::Half, int8_t>& p, int64_t begin, int64_t end);
+void to_float(const c10::BFloat16* x, int64_t n, float* out);
+void to_float(const c10::Half* x, int64_t n, float* out);
 }  // namespace avx512
 
 /// bfloat16 x against bfloat16 weights, or int8 weights with one float scale per row (each 32

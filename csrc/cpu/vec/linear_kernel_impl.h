@@ -305,4 +305,12 @@ void linear_rows(const LinearProblem<c10::Half, int8_t>& p, int64_t begin, int64
   run(p, begin, end);
 }
 
+void to_float(const c10::BFloat16* x, int64_t n, float* out) {
+  at::vec::convert(x, out, n);
+}
+
+void to_float(const c10::Half* x, int64_t n, float* out) {
+  at::vec::convert(x, out, n);
+}
+
 }  // namespace torchmha::cpu::kernel::TORCHMHA_KERNEL_ISA
