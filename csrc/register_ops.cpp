@@ -197,9 +197,14 @@ TORCH_LIBRARY(torchmha, m) {
   m.def("quantized_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
   // The attention with weights inside multi_head_attention_forward, where no gradient or dropout
   // is needed: a kernel per device (explicit_attention.h).
-  m.def("attention_with_weights(Tensor q, Tensor k, Tensor v, Tensor? mask, bool average) -> (Tensor, Tensor)");
+  // batch_major: the heads in (N, L, H, D) memory rather than (L, N, H, D) (common/heads_layout.h).
+  m.def(
+      "attention_with_weights(Tensor q, Tensor k, Tensor v, Tensor? mask, bool average, bool batch_major=False) -> "
+      "(Tensor, Tensor)");
   // The attention without weights, where torchmha's kernel beats SDPA (blocked_attention.h).
-  m.def("blocked_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal) -> (Tensor, Tensor)");
+  m.def(
+      "blocked_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, bool batch_major=False) -> "
+      "(Tensor, Tensor)");
   m.def(
       "blocked_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, "
       "Tensor out, Tensor lse) -> (Tensor, Tensor, Tensor)");

@@ -92,7 +92,7 @@ bool records_grad(std::initializer_list<Tensor> tensors) {
 }
 
 Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask, double dropout_p,
-              bool is_causal) {
+              bool is_causal, bool batch_major) {
   // torchmha's blocked kernel where it beats SDPA here; it draws no dropout, knows no transform and
   // gives no mask gradient.
   const Tensor mask_or_none = is_present(mask) ? *mask : Tensor();
@@ -102,7 +102,7 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalT
     return at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal);
   }
   return with_grad ? blocked_attention_differentiable(q, k, v, mask, is_causal)
-                   : std::get<0>(blocked_attention(q, k, v, mask, is_causal));
+                   : std::get<0>(blocked_attention(q, k, v, mask, is_causal, batch_major));
 }
 
 Tensor attend_fixed_keys(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& padding,
@@ -117,7 +117,8 @@ Tensor attend_fixed_keys(const Tensor& q, const Tensor& k, const Tensor& v, cons
 }
 
 std::pair<Tensor, Tensor> attend_with_weights(const Tensor& q, const Tensor& k, const Tensor& v,
-                                              const OptionalTensor& mask, double dropout_p, bool average) {
+                                              const OptionalTensor& mask, double dropout_p, bool average,
+                                              bool batch_major) {
   // The kernels draw no dropout and know no transform; a float mask that needs its gradient is
   // left to the composition too (the kernels' backward gives none), and so are small heads.
   const Tensor mask_or_none = is_present(mask) ? *mask : Tensor();
@@ -126,7 +127,7 @@ std::pair<Tensor, Tensor> attend_with_weights(const Tensor& q, const Tensor& k, 
     return attention_with_weights_composition(q, k, v, mask, dropout_p, average);
   }
   if (!records_grad({q, k, v})) {
-    return attention_with_weights(q, k, v, mask, average);  // the op: a kernel per device
+    return attention_with_weights(q, k, v, mask, average, batch_major);  // the op: a kernel per device
   }
   if (cpu::explicit_kernel_applies(q, k, v, mask)) {
     return attention_with_weights_differentiable(q, k, v, mask, average);

@@ -43,9 +43,11 @@ bool records_grad(std::initializer_list<Tensor> tensors);
 // ---- attend
 
 /// softmax(q k^T / sqrt(D) + mask) v through at::scaled_dot_product_attention: the L x S weights
-/// are never materialized. `is_causal` is SDPA's (top-left aligned).
+/// are never materialized. `is_causal` is SDPA's (top-left aligned). `batch_major` asks for the
+/// heads in (N, L, H, D) memory where a kernel of torchmha's writes them (common/heads_layout.h):
+/// the order of batch_first's contiguous output.
 Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask, double dropout_p,
-              bool is_causal = false);
+              bool is_causal = false, bool batch_major = false);
 
 /// attend over fixed keys and values with a key padding mask (N, 1, 1, S) or none: a decoder's
 /// memory. torchmha's static_attention where no gradient, dropout or transform is asked and its
@@ -55,7 +57,8 @@ Tensor attend_fixed_keys(const Tensor& q, const Tensor& k, const Tensor& v, cons
 /// The same with explicit weights, which are part of the result: {output heads, weights}, the
 /// weights (N, L, S) averaged over the heads or (N, H, L, S) (explicit_attention.h).
 std::pair<Tensor, Tensor> attend_with_weights(const Tensor& q, const Tensor& k, const Tensor& v,
-                                              const OptionalTensor& mask, double dropout_p, bool average);
+                                              const OptionalTensor& mask, double dropout_p, bool average,
+                                              bool batch_major = false);
 
 // ---- output projection
 

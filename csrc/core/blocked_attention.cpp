@@ -3,6 +3,7 @@
 
 #include "blocked_attention.h"
 
+#include "common/heads_layout.h"
 #include "cpu/kernels.h"
 
 #include <ATen/ATen.h>
@@ -20,12 +21,12 @@
 namespace torchmha::core {
 
 std::tuple<Tensor, Tensor> blocked_attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                                             const OptionalTensor& mask, bool is_causal) {
+                                             const OptionalTensor& mask, bool is_causal, bool batch_major) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("torchmha::blocked_attention", "")
                        .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                         const OptionalTensor&, bool)>();
-  return op.call(q, k, v, mask, is_causal);
+                                                         const OptionalTensor&, bool, bool)>();
+  return op.call(q, k, v, mask, is_causal, batch_major);
 }
 
 namespace {
@@ -44,21 +45,16 @@ Tensor masked_scores(const Tensor& q, const Tensor& k, const OptionalTensor& mas
   return scores;
 }
 
-// The heads in (L, N, H, D) memory, viewed as (N, H, L, D).
-Tensor heads_in_lnhd(const Tensor& heads) {
-  return heads.permute({2, 0, 1, 3}).contiguous().permute({1, 2, 0, 3});
-}
-
 }  // namespace
 
 std::tuple<Tensor, Tensor> blocked_attention_reference(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                       const OptionalTensor& mask, bool is_causal) {
+                                                       const OptionalTensor& mask, bool is_causal, bool batch_major) {
   const Tensor scores = masked_scores(q, k, mask, is_causal).to(at::kFloat);
   Tensor lse = at::logsumexp(scores, -1);
   // A row with no allowed key: zeros (SDPA's), and +inf for its log-sum-exp (the kernel's).
   lse.masked_fill_(lse == -std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity());
   const Tensor probabilities = at::exp(scores - lse.unsqueeze(-1)).to(q.scalar_type());
-  return std::make_tuple(heads_in_lnhd(at::matmul(probabilities, v)), lse);
+  return std::make_tuple(heads_laid_out(at::matmul(probabilities, v), batch_major), lse);
 }
 
 std::tuple<Tensor, Tensor, Tensor> blocked_attention_backward_reference(const Tensor& grad_heads, const Tensor& q,
@@ -88,11 +84,11 @@ std::tuple<Tensor, Tensor, Tensor> blocked_attention_backward_meta(const Tensor&
 }
 
 std::tuple<Tensor, Tensor> blocked_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                 const OptionalTensor& mask, bool is_causal) {
-  if (auto out = cpu::blocked_attention(q, k, v, mask, is_causal)) {
+                                                 const OptionalTensor& mask, bool is_causal, bool batch_major) {
+  if (auto out = cpu::blocked_attention(q, k, v, mask, is_causal, batch_major)) {
     return *std::move(out);
   }
-  return blocked_attention_reference(q, k, v, mask, is_causal);
+  return blocked_attention_reference(q, k, v, mask, is_causal, batch_major);
 }
 
 std::tuple<Tensor, Tensor, Tensor> blocked_attention_backward_cpu(const Tensor& grad_heads, const Tensor& q,

@@ -10,8 +10,8 @@
 //
 // Shapes: q (N, H, L, D), k and v (N, H, S, D), rows contiguous along D; mask additive of q's
 // dtype, broadcastable to (N, H, L, S); `is_causal`: key s only for query rows l >= s (SDPA's,
-// top-left). Results: the heads (N, H, L, D), a view of (L, N, H, D) memory (the output
-// projection's order), and the rows' log-sum-exp (N, H, L) in float32 (+inf where a row has no
+// top-left). Results: the heads (N, H, L, D), a view of (L, N, H, D) memory, or (N, L, H, D) with
+// batch_major (the output projection's order, common/heads_layout.h), and the rows' log-sum-exp (N, H, L) in float32 (+inf where a row has no
 // allowed key; its heads are zeros, as SDPA's).
 
 #include "common.h"
@@ -22,7 +22,7 @@ namespace torchmha::core {
 
 /// Through the dispatcher (the op torchmha::blocked_attention): {heads, log-sum-exp}.
 std::tuple<Tensor, Tensor> blocked_attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                                             const OptionalTensor& mask, bool is_causal);
+                                             const OptionalTensor& mask, bool is_causal, bool batch_major = false);
 
 /// The kernels forward and backward as one autograd node (double backward through SDPA's math):
 /// the heads (N, H, L, D).
@@ -32,9 +32,9 @@ Tensor blocked_attention_differentiable(const Tensor& q, const Tensor& k, const 
 /// The op's kernels: the ATen composition (any device), and on the CPU torchmha's kernel
 /// (csrc/cpu/kernels.h), the composition where it does not take the inputs.
 std::tuple<Tensor, Tensor> blocked_attention_reference(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                       const OptionalTensor& mask, bool is_causal);
+                                                       const OptionalTensor& mask, bool is_causal, bool batch_major);
 std::tuple<Tensor, Tensor> blocked_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                 const OptionalTensor& mask, bool is_causal);
+                                                 const OptionalTensor& mask, bool is_causal, bool batch_major);
 
 /// Its backward (op torchmha::blocked_attention_backward): {dq, dk, dv} from the heads' gradient and
 /// the forward's results, the probabilities recomputed block by block from the log-sum-exp. The

@@ -2,6 +2,7 @@
 
 #include "explicit_attention.h"
 
+#include "common/heads_layout.h"
 #include "cpu/kernels.h"
 
 #include <ATen/ATen.h>
@@ -19,12 +20,12 @@
 namespace torchmha::core {
 
 std::pair<Tensor, Tensor> attention_with_weights(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                 const OptionalTensor& mask, bool average) {
+                                                 const OptionalTensor& mask, bool average, bool batch_major) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("torchmha::attention_with_weights", "")
                        .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                         const OptionalTensor&, bool)>();
-  auto [heads, weights] = op.call(q, k, v, mask, average);
+                                                         const OptionalTensor&, bool, bool)>();
+  auto [heads, weights] = op.call(q, k, v, mask, average, batch_major);
   return {heads, weights};
 }
 
@@ -55,18 +56,19 @@ std::pair<Tensor, Tensor> attention_with_weights_composition(const Tensor& q, co
 }
 
 std::tuple<Tensor, Tensor> attention_with_weights_reference(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                            const OptionalTensor& mask, bool average) {
+                                                            const OptionalTensor& mask, bool average,
+                                                            bool batch_major) {
   auto [heads, weights] = attention_with_weights_composition(q, k, v, mask, /*dropout_p=*/0.0, average);
-  // The CPU kernel's layout, heads in (L, N, H, D) memory (fake tensors must match it): the copy
-  // the output projection would make anyway.
-  return std::make_tuple(heads.permute({2, 0, 1, 3}).contiguous().permute({1, 2, 0, 3}), weights);
+  // The CPU kernel's layout (fake tensors must match it): the copy the output projection would
+  // make anyway.
+  return std::make_tuple(heads_laid_out(heads, batch_major), weights);
 }
 std::tuple<Tensor, Tensor> attention_with_weights_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                      const OptionalTensor& mask, bool average) {
-  if (auto out = cpu::attention_with_weights(q, k, v, mask, average)) {
+                                                      const OptionalTensor& mask, bool average, bool batch_major) {
+  if (auto out = cpu::attention_with_weights(q, k, v, mask, average, batch_major)) {
     return *std::move(out);
   }
-  return attention_with_weights_reference(q, k, v, mask, average);
+  return attention_with_weights_reference(q, k, v, mask, average, batch_major);
 }
 
 // ------------------------------------------------------------------------------ autograd

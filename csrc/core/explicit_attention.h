@@ -20,9 +20,10 @@
 
 namespace torchmha::core {
 
-/// Through the dispatcher (the op torchmha::attention_with_weights).
+/// Through the dispatcher (the op torchmha::attention_with_weights); the heads in (N, L, H, D)
+/// memory with batch_major, else (L, N, H, D) (common/heads_layout.h).
 std::pair<Tensor, Tensor> attention_with_weights(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                 const OptionalTensor& mask, bool average);
+                                                 const OptionalTensor& mask, bool average, bool batch_major = false);
 
 /// The ATen composition, with dropout on the weights (torch's slow path, step for step): the
 /// reference, and the path that autograd and dropout take.
@@ -37,8 +38,9 @@ std::pair<Tensor, Tensor> attention_with_weights_differentiable(const Tensor& q,
 /// The op's kernels: the composition without dropout (any device), and torchmha's CPU kernel
 /// (float and double on AVX2/AVX-512 CPUs; the composition otherwise).
 std::tuple<Tensor, Tensor> attention_with_weights_reference(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                            const OptionalTensor& mask, bool average);
+                                                            const OptionalTensor& mask, bool average,
+                                                            bool batch_major);
 std::tuple<Tensor, Tensor> attention_with_weights_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                      const OptionalTensor& mask, bool average);
+                                                      const OptionalTensor& mask, bool average, bool batch_major);
 
 }  // namespace torchmha::core

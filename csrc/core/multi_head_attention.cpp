@@ -107,16 +107,18 @@ std::tuple<Tensor, Tensor> multi_head_attention(
   mask = autocast_mask(mask, q.scalar_type());
   check_mask_dtype(mask, q.scalar_type());
 
-  // attend
+  // attend (the heads in the order the output projection reads them: project_output)
   const double p = call.effective_dropout();
+  const bool batch_major = batch_first && torch_fuses;
   Tensor heads, attn_weights;
   if (call.need_weights) {
-    std::tie(heads, attn_weights) = attend_with_weights(q, kv.keys, kv.values, mask, p, call.average_attn_weights);
+    std::tie(heads, attn_weights) =
+        attend_with_weights(q, kv.keys, kv.values, mask, p, call.average_attn_weights, batch_major);
     if (!g.batched) {
       attn_weights = attn_weights.squeeze(0);
     }
   } else {
-    heads = attend(q, kv.keys, kv.values, mask, p, /*is_causal=*/causal);
+    heads = attend(q, kv.keys, kv.values, mask, p, /*is_causal=*/causal, batch_major);
   }
 
   // output projection

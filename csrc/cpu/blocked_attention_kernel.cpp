@@ -3,6 +3,7 @@
 
 #include "cpu/kernels.h"
 
+#include "common/heads_layout.h"
 #include "common/settings.h"
 #include "cpu/cpu_capability.h"
 #include "cpu/micro_gemm.h"
@@ -108,7 +109,8 @@ struct ForwardProblem {
   bool is_causal;
   int64_t N, H, L, D, S, block, key_block;
   float scale;
-  float* heads_lnhd;  // (L, N, H, D)
+  float* heads;       // (N, H, L, D), in either order of common/heads_layout.h:
+  int64_t heads_n, heads_h, heads_ld;  // its strides
   float* lse;         // (N, H, L)
 };
 
@@ -142,7 +144,7 @@ void forward_block(const ForwardProblem& p, ForwardScratch& s, const HeadRows<fl
   for (int64_t r = 0; r < rows; ++r) {
     const bool any = s.sum[r] > 0.f;
     const float inverse = any ? 1.f / s.sum[r] : 0.f;
-    float* out = p.heads_lnhd + ((l0 + r) * p.N + n) * p.H * D + h * D;
+    float* out = p.heads + n * p.heads_n + h * p.heads_h + (l0 + r) * p.heads_ld;
     for (int64_t d = 0; d < D; ++d) {
       out[d] = s.acc[r * D + d] * inverse;
     }
@@ -155,12 +157,12 @@ void forward_block(const ForwardProblem& p, ForwardScratch& s, const HeadRows<fl
 // forward_block per block.
 template <typename scalar_t>
 void forward_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask, bool is_causal,
-                    const Tensor& heads_lnhd, const Tensor& lse) {
+                    const Tensor& heads, const Tensor& lse) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
   const int64_t block = std::min(kQueryRows, L);
   const ForwardProblem p{mask, is_causal, N, H, L, D, S, block, keys_per_block(block, D, S),
-                         static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))), heads_lnhd.data_ptr<float>(),
-                         lse.data_ptr<float>()};
+                         static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))), heads.data_ptr<float>(),
+                         heads.stride(0), heads.stride(1), heads.stride(2), lse.data_ptr<float>()};
   const HeadRows<scalar_t> q_in(q), k_in(k), v_in(v);
   const int64_t blocks_per_head = (L + block - 1) / block;
   const int64_t runs_per_head = std::min(blocks_per_head, (4 * at::get_num_threads() + N * H - 1) / (N * H));
@@ -188,11 +190,11 @@ void forward_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const Opt
 
 // float32, bfloat16 or float16 q, k and v (blocked_kernel_applies); a float32 mask.
 void blocked_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
-                              bool is_causal, const Tensor& heads_lnhd, const Tensor& lse) {
+                              bool is_causal, const Tensor& heads, const Tensor& lse) {
   switch (q.scalar_type()) {
-    case at::kFloat: return forward_kernel<float>(q, k, v, mask, is_causal, heads_lnhd, lse);
-    case at::kBFloat16: return forward_kernel<c10::BFloat16>(q, k, v, mask, is_causal, heads_lnhd, lse);
-    case at::kHalf: return forward_kernel<c10::Half>(q, k, v, mask, is_causal, heads_lnhd, lse);
+    case at::kFloat: return forward_kernel<float>(q, k, v, mask, is_causal, heads, lse);
+    case at::kBFloat16: return forward_kernel<c10::BFloat16>(q, k, v, mask, is_causal, heads, lse);
+    case at::kHalf: return forward_kernel<c10::Half>(q, k, v, mask, is_causal, heads, lse);
     default: TORCH_INTERNAL_ASSERT(false, "blocked_attention_kernel: ", q.scalar_type(), " (blocked_kernel_applies)");
   }
 }
@@ -294,7 +296,8 @@ bool blocked_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, c
 }
 
 std::optional<std::tuple<Tensor, Tensor>> blocked_attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                            const OptionalTensor& mask, bool is_causal) {
+                                                            const OptionalTensor& mask, bool is_causal,
+                                                            bool batch_major) {
   if (!blocked_kernel_applies(q, k, v, mask)) {
     return std::nullopt;
   }
@@ -303,10 +306,10 @@ std::optional<std::tuple<Tensor, Tensor>> blocked_attention(const Tensor& q, con
   // the mask and the output here.
   const OptionalTensor mask32 = float32(mask_4d(mask));
   const auto options = q.options().dtype(at::kFloat);
-  Tensor heads_lnhd = at::empty({L, N, H, D}, options);
+  Tensor heads = empty_heads(N, H, L, D, options, batch_major);
   Tensor lse = at::empty({N, H, L}, options);
-  blocked_attention_kernel(q, k, v, mask32, is_causal, heads_lnhd, lse);
-  return std::make_tuple(heads_lnhd.to(q.scalar_type()).permute({1, 2, 0, 3}), lse);
+  blocked_attention_kernel(q, k, v, mask32, is_causal, heads, lse);
+  return std::make_tuple(heads.to(q.scalar_type()), lse);  // (a conversion keeps the order)
 }
 
 std::optional<std::tuple<Tensor, Tensor, Tensor>> blocked_attention_backward(

@@ -178,8 +178,9 @@ Tensor prefill_blocked(const Tensor& q, const Tensor& k_new, const Tensor& v_new
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("torchmha::blocked_attention", "")
                        .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                         const OptionalTensor&, bool)>();
-  Tensor out = std::get<0>(op.call(q, k_new, v_new, std::nullopt, /*is_causal=*/true)).contiguous();
+                                                         const OptionalTensor&, bool, bool)>();
+  Tensor out =
+      std::get<0>(op.call(q, k_new, v_new, std::nullopt, /*is_causal=*/true, /*batch_major=*/false)).contiguous();
   for (int64_t n = 0; n < q.size(0); ++n) {
     const int64_t added = step.added[n];
     k_cache[n].narrow(1, 0, added).copy_(k_new[n].narrow(1, 0, added));

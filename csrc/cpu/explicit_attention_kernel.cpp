@@ -3,6 +3,7 @@
 
 #include "cpu/kernels.h"
 
+#include "common/heads_layout.h"
 #include "common/settings.h"
 #include "cpu/cpu_capability.h"
 #include "cpu/micro_gemm.h"
@@ -49,7 +50,7 @@ int64_t rows_per_block(int64_t N, int64_t L, int64_t S, int64_t element_size) {
 
 template <typename scalar_t>
 void explicit_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
-                               bool average, const Tensor& heads_lnhd, const Tensor& weights) {
+                               bool average, const Tensor& heads, const Tensor& weights) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
   const int64_t block = rows_per_block(N, L, S, sizeof(scalar_t));
   const int64_t blocks_per_sequence = (L + block - 1) / block;
@@ -57,8 +58,9 @@ void explicit_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v
   const bool avx512 = cpu_capability() == Capability::kAvx512;
   const HeadRows<scalar_t> q_rows(q), k_rows(k), v_rows(v);
   scalar_t* weights_data = weights.data_ptr<scalar_t>();
-  scalar_t* heads_data = heads_lnhd.data_ptr<scalar_t>();
-  const int64_t heads_ld = N * H * D;  // (L, N, H, D): row l of head (n, h)
+  // Row l of head (n, h) of the result, in either order of common/heads_layout.h.
+  scalar_t* const heads_data = heads.data_ptr<scalar_t>();
+  const int64_t heads_n = heads.stride(0), heads_h = heads.stride(1), heads_ld = heads.stride(2);
 
   at::parallel_for(0, N * blocks_per_sequence, 1, [&](int64_t begin, int64_t end) {
     at::NoGradGuard no_grad;  // grad mode is per thread; inside autograd's forward the inputs require grad
@@ -78,7 +80,8 @@ void explicit_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v
             scores, S, scale, mask_row, mask_ld, average ? weights_data + (n * L + l0) * S : nullptr, S, h == 0,
             static_cast<scalar_t>(h == H - 1 ? 1.0 / H : 1.0), rows, S};
         avx512 ? kernel::avx512::softmax_rows(step) : kernel::avx2::softmax_rows(step);
-        matmul(rows, D, S, scores, S, v_rows(n, h), v_rows.ld, heads_data + (l0 * N + n) * H * D + h * D, heads_ld);
+        matmul(rows, D, S, scores, S, v_rows(n, h), v_rows.ld, heads_data + n * heads_n + h * heads_h + l0 * heads_ld,
+               heads_ld);
       }
     }
   });
@@ -177,18 +180,18 @@ bool explicit_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, 
 }
 
 std::optional<std::tuple<Tensor, Tensor>> attention_with_weights(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                                 const OptionalTensor& mask, bool average) {
+                                                                 const OptionalTensor& mask, bool average,
+                                                                 bool batch_major) {
   if (!explicit_kernel_applies(q, k, v, mask)) {
     return std::nullopt;
   }
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
-  // The heads are written in (L, N, H, D), the order the output projection reads them in.
-  Tensor heads_lnhd = at::empty({L, N, H, D}, q.options());
+  Tensor heads = empty_heads(N, H, L, D, q.options(), batch_major);
   Tensor weights = at::empty(average ? std::vector<int64_t>{N, L, S} : std::vector<int64_t>{N, H, L, S}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_with_weights_cpu", [&] {
-    explicit_attention_kernel<scalar_t>(q, k, v, mask, average, heads_lnhd, weights);
+    explicit_attention_kernel<scalar_t>(q, k, v, mask, average, heads, weights);
   });
-  return std::make_tuple(heads_lnhd.permute({1, 2, 0, 3}), weights);
+  return std::make_tuple(heads, weights);
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_with_weights_backward(const Tensor& q, const Tensor& k, const Tensor& v,

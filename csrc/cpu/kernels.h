@@ -32,7 +32,8 @@ bool blocked_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, c
 bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, bool with_grad);
 /// {heads, log-sum-exp}, as the op torchmha::blocked_attention.
 std::optional<std::tuple<Tensor, Tensor>> blocked_attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                            const OptionalTensor& mask, bool is_causal);
+                                                            const OptionalTensor& mask, bool is_causal,
+                                                            bool batch_major);
 /// {dq, dk, dv}, as the op torchmha::blocked_attention_backward.
 std::optional<std::tuple<Tensor, Tensor, Tensor>> blocked_attention_backward(
     const Tensor& grad_heads, const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
@@ -50,7 +51,8 @@ bool explicit_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, 
 bool explicit_kernel_pays_off(int64_t L, int64_t S);
 /// {heads, weights}, as the op torchmha::attention_with_weights.
 std::optional<std::tuple<Tensor, Tensor>> attention_with_weights(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                                 const OptionalTensor& mask, bool average);
+                                                                 const OptionalTensor& mask, bool average,
+                                                                 bool batch_major);
 /// Its backward where explicit_kernel_applies: {dq, dk, dv}, the probabilities recomputed block by
 /// block; an undefined gradient is an unused output.
 std::tuple<Tensor, Tensor, Tensor> attention_with_weights_backward(const Tensor& q, const Tensor& k, const Tensor& v,

@@ -152,15 +152,28 @@ def opcheck_samples():
         (ops.blocked_attention.default, (q, k, v, mask, False)),
         (ops.blocked_attention.default, (*bf, None, True)),
         (ops.blocked_attention.default, (*strided, None, False)),
+        (ops.blocked_attention.default, (*strided, mask, False, True)),  # heads in (N, L, H, D) memory
         (ops.blocked_attention_backward.default, (torch.randn_like(q), q, k, v, mask, False, heads, lse)),
         (ops.blocked_attention_backward.default, (torch.randn_like(bf[0]), *bf, None, True, bf_heads, bf_lse)),
     ]
 
 
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(6))
 def test_opcheck(index):
     op, args = opcheck_samples()[index]
     opcheck(op, args)
+
+
+@needs_the_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch_major", [False, True])
+def test_heads_come_in_the_order_asked_for(dtype, batch_major):
+    """(L, N, H, D) memory, the order torch's (L, N, E) output projection reads, or (N, L, H, D)."""
+    q, k, v = (torch.randn(2, 3, n, 8, dtype=dtype) for n in (5, 7, 7))
+    heads, lse = ops.blocked_attention(q, k, v, None, False, batch_major)
+    expected, expected_lse = ops.blocked_attention(q, k, v, None, False)
+    assert (heads.transpose(1, 2) if batch_major else heads.permute(2, 0, 1, 3)).is_contiguous()
+    assert torch.equal(heads, expected) and torch.equal(lse, expected_lse)
 
 
 @pytest.mark.parametrize("why, call, error", [

@@ -111,6 +111,31 @@ def test_runs_without_the_per_head_scores(mode):
     assert most_memory < N * H * L * L * 8, f"{most_memory} bytes, the per-head scores are {N * H * L * L * 8}"
 
 
+@needs_the_kernel
+@pytest.mark.parametrize("batch_major", [False, True])
+def test_heads_come_in_the_order_asked_for(batch_major):
+    """(L, N, H, D) memory, the order torch's (L, N, E) output projection reads, or (N, L, H, D)."""
+    q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64) for n in (5, 7, 7))
+    heads, weights = torch.ops.torchmha.attention_with_weights(q, k, v, None, True, batch_major)
+    expected, expected_weights = torch.ops.torchmha.attention_with_weights(q, k, v, None, True)
+    assert (heads.transpose(1, 2) if batch_major else heads.permute(2, 0, 1, 3)).is_contiguous()
+    assert torch.equal(heads, expected) and torch.equal(weights, expected_weights)
+
+
+@needs_the_kernel
+def test_batch_first_inference_merges_the_heads_without_a_copy():
+    """torch's fused path returns (N, L, E) contiguous; the kernel writes the heads in that order,
+    so the output projection reads them in place."""
+    N, H, L, E = 2, 4, 16, 32
+    _, ours = mha_pair(E, H, batch_first=True)
+    ours.eval()
+    x = torch.randn(N, L, E, dtype=torch.float64)
+    with torch.no_grad(), torch.profiler.profile(record_shapes=True) as prof:
+        ours(x, x, x)
+    copies = [e.input_shapes for e in prof.events() if e.name in ("aten::copy_", "aten::clone")]
+    assert [N, L, E] not in [shape for shapes in copies for shape in shapes], copies
+
+
 @st.composite
 def training_cases(draw):
     c = draw(cases())

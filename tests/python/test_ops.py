@@ -142,6 +142,8 @@ def sample_inputs():
           mask.view(1, 1, 3, 4), True), {}),
         (ops.attention_with_weights.default,
          (*(torch.randn(2, 2, 3, 4, dtype=torch.float32) for _ in range(3)), None, False), {}),
+        (ops.attention_with_weights.default,  # the heads in (N, L, H, D) memory
+         (*(torch.randn(2, 2, 3, 4, dtype=torch.float32) for _ in range(3)), None, True, True), {}),
     ]
 
 
