@@ -86,16 +86,17 @@ def test_digit_sums_past_int32_in_rows_past_2_16():
         assert relative_error(ops.quantized_linear(x, q, scale, None), x, q, scale) < 2e-6
 
 
-@pytest.mark.parametrize("K", [4000, 4001, 8192, 8193])
+@pytest.mark.parametrize("K", [4096, 4097, 8192, 12303])
 def test_int16_digit_sums_at_their_longest_rows(K):
-    """One row on AVX2's 16-bit digits (linear_kernel_int16.cpp) up to 8192 columns: x[0] = 2^28 sets
-    the step to 1, every other x is 32767 (the low digit's largest) against weights of -128, where
-    each int32 lane gains the most; up to 4000 columns the accumulators are added in int32, past it
-    widened first; past 8192 the float loop runs. Exact but for float32's rounding."""
+    """One row on AVX2's 16-bit digits (linear_kernel_int16.cpp): x[0] = 2^28 sets the step to 1,
+    every other x is 32767 (the low digit's largest) against weights of -128, where each int32 lane
+    gains the most; a span of 4096 columns sums in int32, and the spans in int64. Five features: one
+    pass of four and one alone. Exact but for float32's rounding."""
     x = torch.full((1, K), 32767.0)
     x[0, 0] = 2.0**28
-    q = torch.full((3, K), -128, dtype=torch.int8)
-    scale = torch.tensor([1e-9, 3e-9, 1.0])
+    q = torch.full((5, K), -128, dtype=torch.int8)
+    q[1, K // 2] = 127  # (each feature its own sum)
+    scale = torch.tensor([1e-9, 3e-9, 1.0, 2.0, 0.5])
     assert relative_error(ops.quantized_linear(x, q, scale, None), x, q, scale) < 2e-6
 
 
@@ -130,7 +131,7 @@ def test_int16_digits_compute_what_the_other_paths_do():
     import pathlib
     code = ("import sys; sys.path.insert(0, %r); import test_quantized_linear as t, torch; "
             "[t.test_float32_error_within_float32_rounding(1, K) for K in (1, 63, 64, 65, 130, 2048)]; "
-            "[t.test_int16_digit_sums_at_their_longest_rows(K) for K in (4000, 4001, 8192, 8193)]; "
+            "[t.test_int16_digit_sums_at_their_longest_rows(K) for K in (4096, 4097, 8192, 12303)]; "
             "[t.test_quantized_linear_is_linear_with_the_dequantized_weight(d, 1, K, O, b) "
             "for d in (torch.float32, torch.bfloat16) for K, O, b in ((37, 13, False), (200, 9, True), (1100, 301, True))]; "
             "t.test_zero_tiny_huge_and_non_finite_rows()")

@@ -124,9 +124,6 @@ struct Int16Problem {
   int64_t K, O;
 };
 
-/// K at most kInt16MaxK, so that the int32 sums cannot overflow (each lane gains less than 2^23 per
-/// 64 columns).
-constexpr int64_t kInt16MaxK = 8192;
 namespace avx2_int16 {
 /// Fills `out` (its digits sized for padded_k); false if x holds an inf or a NaN, or its largest
 /// |x| is below 2^-98 (no digits: the float loop runs).
