@@ -18,59 +18,71 @@ namespace {
 template <typename scalar_t>
 using Vec = at::vec::Vectorized<scalar_t>;
 
-// One row, as torch's softmax does it: max, exp(x - max), sum, times 1/sum. A row that is all
-// -inf gives NaN (-inf - -inf), as torch's does. The scores' scale (1 when the GEMM applied it)
-// and the mask come first, in one pass.
-template <typename scalar_t>
-void softmax_row(scalar_t* x, scalar_t scale, const scalar_t* mask, int64_t n) {
-  using V = Vec<scalar_t>;
-  if (mask != nullptr) {
-    at::vec::map2([s = V(scale)](V a, V b) { return a * s + b; }, x, x, mask, n);
-  } else if (scale != scalar_t(1)) {
-    at::vec::map([s = V(scale)](V a) { return a * s; }, x, x, n);
-  }
-  const scalar_t max = at::vec::reduce_all<scalar_t>([](V a, V b) { return at::vec::maximum(a, b); }, x, n);
-  at::vec::map([max](V a) { return (a - V(max)).exp_u20(); }, x, x, n);
-  const scalar_t sum = at::vec::reduce_all<scalar_t>([](V a, V b) { return a + b; }, x, n);
-  const scalar_t inverse = scalar_t(1) / sum;
-  at::vec::map([inverse](V a) { return a * V(inverse); }, x, x, n);
-}
-
-template <typename scalar_t>
-void run(const SoftmaxRows<scalar_t>& p) {
-  using V = Vec<scalar_t>;
-  for (int64_t r = 0; r < p.rows; ++r) {
-    scalar_t* x = p.scores + r * p.scores_ld;
-    softmax_row(x, p.scale, p.mask == nullptr ? nullptr : p.mask + r * p.mask_ld, p.cols);
-    if (p.sum == nullptr) {
-      continue;
-    }
-    scalar_t* sum = p.sum + r * p.sum_ld;
-    const V scale(p.sum_scale);
-    if (p.first) {
-      at::vec::map([scale](V a) { return a * scale; }, sum, x, p.cols);
-    } else {
-      at::vec::map2([scale](V a, V b) { return (a + b) * scale; }, sum, sum, x, p.cols);
-    }
-  }
-}
-
 // x = exp(x - max) in place; returns their sum.
-float exp_and_sum(float* x, float max, int64_t n) {
-  using V = Vec<float>;
-  V sums(0.f);
+template <typename scalar_t>
+scalar_t exp_and_sum(scalar_t* x, scalar_t max, int64_t n) {
+  using V = Vec<scalar_t>;
+  V sums(scalar_t(0));
   int64_t i = 0;
   for (; i + V::size() <= n; i += V::size()) {
     const V e = (V::loadu(x + i) - V(max)).exp_u20();
     e.store(x + i);
     sums = sums + e;
   }
-  float sum = at::vec::vec_reduce_all<float>([](V a, V b) { return a + b; }, sums);
+  scalar_t sum = at::vec::vec_reduce_all<scalar_t>([](V a, V b) { return a + b; }, sums);
   for (; i < n; ++i) {
     x[i] = std::exp(x[i] - max);
     sum += x[i];
   }
   return sum;
+}
+
+// x *= inverse in place, and the running average's row: sum = (sum + x) * sum_scale, or x *
+// sum_scale where `first`.
+template <typename scalar_t>
+void normalize_and_add(scalar_t* x, scalar_t inverse, scalar_t* sum, bool first, scalar_t sum_scale, int64_t n) {
+  using V = Vec<scalar_t>;
+  const V inv(inverse), scale(sum_scale);
+  int64_t i = 0;
+  for (; i + V::size() <= n; i += V::size()) {
+    const V a = V::loadu(x + i) * inv;
+    a.store(x + i);
+    (first ? a * scale : (V::loadu(sum + i) + a) * scale).store(sum + i);
+  }
+  for (; i < n; ++i) {
+    x[i] *= inverse;
+    sum[i] = first ? x[i] * sum_scale : (sum[i] + x[i]) * sum_scale;
+  }
+}
+
+// Row r, as torch's softmax does it: max, exp(x - max), sum, times 1/sum. A row that is all -inf
+// gives NaN (-inf - -inf), as torch's does. The scores' scale (1 when the GEMM applied it) and the
+// mask come first, in one pass, then the max; exp and the sum share a pass, and so do the division
+// and the average over the heads (against a pass each: 0.95 of the op's time with the average, 8 x
+// 8 heads of 128 x 128 and 8 heads of 2048 x 2048, AMD EPYC Zen 3, 10 rounds alternated in one
+// process).
+template <typename scalar_t>
+void softmax_row(const SoftmaxRows<scalar_t>& p, int64_t r) {
+  using V = Vec<scalar_t>;
+  scalar_t* x = p.scores + r * p.scores_ld;
+  const int64_t n = p.cols;
+  if (p.mask != nullptr) {
+    at::vec::map2([s = V(p.scale)](V a, V b) { return a * s + b; }, x, x, p.mask + r * p.mask_ld, n);
+  } else if (p.scale != scalar_t(1)) {
+    at::vec::map([s = V(p.scale)](V a) { return a * s; }, x, x, n);
+  }
+  const scalar_t max = at::vec::reduce_all<scalar_t>([](V a, V b) { return at::vec::maximum(a, b); }, x, n);
+  const scalar_t inverse = scalar_t(1) / exp_and_sum(x, max, n);
+  if (p.sum != nullptr) {
+    normalize_and_add(x, inverse, p.sum + r * p.sum_ld, p.first, p.sum_scale, n);
+  } else {
+    at::vec::map([inverse](V a) { return a * V(inverse); }, x, x, n);
+  }
+}
+
+template <typename scalar_t>
+void run(const SoftmaxRows<scalar_t>& p) {
+  for (int64_t r = 0; r < p.rows; ++r) softmax_row(p, r);
 }
 
 void online_step(const OnlineSoftmaxRows& p) {
