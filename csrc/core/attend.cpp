@@ -139,7 +139,7 @@ Tensor project_output(const Tensor& heads, const AttentionWeights& weights, bool
   // torch's slow path computes the output sequence first, (L, N, E), and returns batch_first as its
   // transposed view; its fused path returns (N, L, E) contiguous. The same strides here, so a
   // dropout after the attention draws the same mask under a seed.
-  if (batch_first && contiguous) {
+  if (output_reads_batch_major(batch_first, contiguous)) {
     return linear_layer(heads.transpose(1, 2).flatten(-2), weights.out_weight, weights.out_bias,
                         weights.out_weight_scale);
   }

@@ -67,5 +67,10 @@ std::pair<Tensor, Tensor> attend_with_weights(const Tensor& q, const Tensor& k, 
 /// (the layout of torch's fused path).
 Tensor project_output(const Tensor& heads, const AttentionWeights& weights, bool batch_first,
                       bool contiguous = false);
+/// Whether project_output reads the heads in (N, L, H, D) order, the `batch_major` that attend
+/// and attend_with_weights take; (L, N, H, D) otherwise. Heads in that order merge without a copy.
+inline bool output_reads_batch_major(bool batch_first, bool contiguous) {
+  return batch_first && contiguous;
+}
 
 }  // namespace torchmha::core

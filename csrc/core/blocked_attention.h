@@ -11,8 +11,8 @@
 // Shapes: q (N, H, L, D), k and v (N, H, S, D), rows contiguous along D; mask additive of q's
 // dtype, broadcastable to (N, H, L, S); `is_causal`: key s only for query rows l >= s (SDPA's,
 // top-left). Results: the heads (N, H, L, D), a view of (L, N, H, D) memory, or (N, L, H, D) with
-// batch_major (the output projection's order, common/heads_layout.h), and the rows' log-sum-exp (N, H, L) in float32 (+inf where a row has no
-// allowed key; its heads are zeros, as SDPA's).
+// batch_major (the output projection's order, common/heads_layout.h), and the rows' log-sum-exp
+// (N, H, L) in float32 (+inf where a row has no allowed key; its heads are zeros, as SDPA's).
 
 #include "common.h"
 

@@ -109,7 +109,7 @@ std::tuple<Tensor, Tensor> multi_head_attention(
 
   // attend (the heads in the order the output projection reads them: project_output)
   const double p = call.effective_dropout();
-  const bool batch_major = batch_first && torch_fuses;
+  const bool batch_major = output_reads_batch_major(batch_first, /*contiguous=*/torch_fuses);
   Tensor heads, attn_weights;
   if (call.need_weights) {
     std::tie(heads, attn_weights) =

@@ -26,6 +26,7 @@ namespace {
 
 using micro_gemm::HeadRows;
 using micro_gemm::mask_rows;
+using micro_gemm::OutputRows;
 using micro_gemm::matmul;
 using micro_gemm::gemm;
 
@@ -109,9 +110,8 @@ struct ForwardProblem {
   bool is_causal;
   int64_t N, H, L, D, S, block, key_block;
   float scale;
-  float* heads;       // (N, H, L, D), in either order of common/heads_layout.h:
-  int64_t heads_n, heads_h, heads_ld;  // its strides
-  float* lse;         // (N, H, L)
+  OutputRows<float> heads;  // (N, H, L, D)
+  float* lse;               // (N, H, L)
 };
 
 // One thread's scratch: a block's scores, its accumulated rows, their running max and sum.
@@ -144,7 +144,7 @@ void forward_block(const ForwardProblem& p, ForwardScratch& s, const HeadRows<fl
   for (int64_t r = 0; r < rows; ++r) {
     const bool any = s.sum[r] > 0.f;
     const float inverse = any ? 1.f / s.sum[r] : 0.f;
-    float* out = p.heads + n * p.heads_n + h * p.heads_h + (l0 + r) * p.heads_ld;
+    float* out = p.heads(n, h, l0 + r);
     for (int64_t d = 0; d < D; ++d) {
       out[d] = s.acc[r * D + d] * inverse;
     }
@@ -161,8 +161,8 @@ void forward_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const Opt
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
   const int64_t block = std::min(kQueryRows, L);
   const ForwardProblem p{mask, is_causal, N, H, L, D, S, block, keys_per_block(block, D, S),
-                         static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))), heads.data_ptr<float>(),
-                         heads.stride(0), heads.stride(1), heads.stride(2), lse.data_ptr<float>()};
+                         static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))), OutputRows<float>(heads),
+                         lse.data_ptr<float>()};
   const HeadRows<scalar_t> q_in(q), k_in(k), v_in(v);
   const int64_t blocks_per_head = (L + block - 1) / block;
   const int64_t runs_per_head = std::min(blocks_per_head, (4 * at::get_num_threads() + N * H - 1) / (N * H));

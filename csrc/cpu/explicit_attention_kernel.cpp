@@ -27,6 +27,7 @@ using micro_gemm::HeadRows;
 using micro_gemm::mask_rows;
 using micro_gemm::matmul;
 using micro_gemm::matrix;
+using micro_gemm::OutputRows;
 
 // The block's scores are about this many bytes, so they stay in cache between the two GEMMs and
 // the softmax: half of a core's L2 on the development machine (256 KiB was 1.4x slower at
@@ -58,9 +59,7 @@ void explicit_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v
   const bool avx512 = cpu_capability() == Capability::kAvx512;
   const HeadRows<scalar_t> q_rows(q), k_rows(k), v_rows(v);
   scalar_t* weights_data = weights.data_ptr<scalar_t>();
-  // Row l of head (n, h) of the result, in either order of common/heads_layout.h.
-  scalar_t* const heads_data = heads.data_ptr<scalar_t>();
-  const int64_t heads_n = heads.stride(0), heads_h = heads.stride(1), heads_ld = heads.stride(2);
+  const OutputRows<scalar_t> out_rows(heads);
 
   at::parallel_for(0, N * blocks_per_sequence, 1, [&](int64_t begin, int64_t end) {
     at::NoGradGuard no_grad;  // grad mode is per thread; inside autograd's forward the inputs require grad
@@ -80,8 +79,7 @@ void explicit_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v
             scores, S, scale, mask_row, mask_ld, average ? weights_data + (n * L + l0) * S : nullptr, S, h == 0,
             static_cast<scalar_t>(h == H - 1 ? 1.0 / H : 1.0), rows, S};
         avx512 ? kernel::avx512::softmax_rows(step) : kernel::avx2::softmax_rows(step);
-        matmul(rows, D, S, scores, S, v_rows(n, h), v_rows.ld, heads_data + n * heads_n + h * heads_h + l0 * heads_ld,
-               heads_ld);
+        matmul(rows, D, S, scores, S, v_rows(n, h), v_rows.ld, out_rows(n, h, l0), out_rows.ld);
       }
     }
   });

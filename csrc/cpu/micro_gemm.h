@@ -113,20 +113,34 @@ inline void matmul(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda
   gemm<double>(false, false, M, N, K, 1, A, lda, B, ldb, accumulate ? 1 : 0, C, ldc);
 }
 
-/// Rows of a (N, H, len, D) tensor with unit stride along D: row l of head (n, h).
-template <typename scalar_t>
+/// Rows of a (N, H, len, D) tensor with unit stride along D, in any order of its dimensions: row l
+/// of head (n, h). `element` is const scalar_t to read them, scalar_t to write them (OutputRows).
+template <typename scalar_t, typename element = const scalar_t>
 struct HeadRows {
-  const scalar_t* data;
+  element* data;
   int64_t stride_n, stride_h, ld;
 
   explicit HeadRows(const Tensor& t)
-      : data(t.const_data_ptr<scalar_t>()), stride_n(t.stride(0)), stride_h(t.stride(1)), ld(t.stride(2)) {}
+      : data(pointer(t)), stride_n(t.stride(0)), stride_h(t.stride(1)), ld(t.stride(2)) {}
   /// One head's rows, whichever (n, h) asks.
-  HeadRows(const scalar_t* rows, int64_t row_stride) : data(rows), stride_n(0), stride_h(0), ld(row_stride) {}
-  const scalar_t* operator()(int64_t n, int64_t h, int64_t l = 0) const {
+  HeadRows(element* rows, int64_t row_stride) : data(rows), stride_n(0), stride_h(0), ld(row_stride) {}
+  element* operator()(int64_t n, int64_t h, int64_t l = 0) const {
     return data + n * stride_n + h * stride_h + l * ld;
   }
+
+ private:
+  static element* pointer(const Tensor& t) {
+    if constexpr (std::is_const_v<element>) {
+      return t.const_data_ptr<scalar_t>();
+    } else {
+      return t.data_ptr<scalar_t>();
+    }
+  }
 };
+
+/// A kernel's result rows, to write (the heads in either order of common/heads_layout.h).
+template <typename scalar_t>
+using OutputRows = HeadRows<scalar_t, scalar_t>;
 
 /// One row (n, h, l) of a mask broadcastable to (N, H, L, S), or null; `ld` gets the stride
 /// between rows l (0: broadcast).

@@ -27,10 +27,10 @@ struct LinearProblem {
   int64_t M, K, O;
 };
 
-/// Output features [begin, end) of `p`, for every row of x. M is at most kLinearMaxRows.
+constexpr int64_t kLinearMaxRows = 8;
+/// linear_rows: output features [begin, end) of `p`, for every row of x (M at most kLinearMaxRows).
 /// to_float: n bfloat16 or float16 values as float32 (exactly), with this instruction set's
 /// conversions (x for the float loop).
-constexpr int64_t kLinearMaxRows = 8;
 namespace avx2 {
 void linear_rows(const LinearProblem<float>& p, int64_t begin, int64_t end);
 void linear_rows(const LinearProblem<c10::BFloat16>& p, int64_t begin, int64_t end);

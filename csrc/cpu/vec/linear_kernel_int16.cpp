@@ -125,11 +125,14 @@ void span_sums(const Int16Problem& p, const int8_t* w, int64_t k0, int64_t k1, i
     }
     for (int u = 0; u < U; ++u) {
       const __m256i x_high = load(high + k + 16 * u), x_low = load(low + k + 16 * u);
-      for (int f = 0; f < F; ++f) block(w + f * p.w_stride, x_high, x_low, k + 16 * u, high_sums[f][u], low_sums[f][u]);
+      for (int f = 0; f < F; ++f) {
+        block(w + f * p.w_stride, x_high, x_low, k + 16 * u, high_sums[f][u], low_sums[f][u]);
+      }
     }
   }
   for (; k < k1; k += 16) {
-    for (int f = 0; f < F; ++f) block(w + f * p.w_stride, load(high + k), load(low + k), k, high_sums[f][0], low_sums[f][0]);
+    const __m256i x_high = load(high + k), x_low = load(low + k);
+    for (int f = 0; f < F; ++f) block(w + f * p.w_stride, x_high, x_low, k, high_sums[f][0], low_sums[f][0]);
   }
   for (int f = 0; f < F; ++f) dots[f] += combine<U>(high_sums[f], low_sums[f]);
 }
