@@ -30,6 +30,10 @@ bool blocked_kernel_applies(const Tensor& q, const Tensor& k, const Tensor& v, c
 /// Whether it beats SDPA for this size, dtype and CPU, forward only or with the backward.
 /// TORCHMHA_BLOCKED_KERNEL=1 takes it wherever it applies, 0 never.
 bool blocked_kernel_pays_off(const Tensor& q, const Tensor& k, bool is_causal, bool with_grad);
+/// Where SDPA runs instead: whether it gets q, k and v as contiguous (N, H, L, D) copies rather than
+/// views of the projection (its GEMMs read a head's rows adjacent). TORCHMHA_SDPA_CONTIGUOUS=1
+/// copies wherever q is a float CPU tensor, 0 never.
+bool sdpa_takes_contiguous_heads(const Tensor& q, const Tensor& k, bool is_causal, bool with_grad);
 /// {heads, log-sum-exp}, as the op torchmha::blocked_attention.
 std::optional<std::tuple<Tensor, Tensor>> blocked_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                                             const OptionalTensor& mask, bool is_causal,

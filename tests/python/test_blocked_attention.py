@@ -291,6 +291,54 @@ def test_the_avx2_copy_keeps_sdpa_where_it_was_measured_faster():
                     unset=("TORCHMHA_BLOCKED_KERNEL",))
 
 
+SDPA_COPY_CHECK = """
+import torch, torchmha
+from torch.testing import assert_close
+def copies(dtype, L, causal=False, train=False):
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(64, 1, batch_first=True, dtype=dtype).train(train)
+    m = torchmha.MultiheadAttention(64, 1, batch_first=True, dtype=dtype).train(train)
+    m.load_state_dict(ref.state_dict())
+    x = torch.randn(1, L, 64, dtype=dtype, requires_grad=train)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(L, dtype=dtype) if causal else None
+    with torch.profiler.profile() as prof, torch.set_grad_enabled(train):
+        out, _ = m(x, x, x, need_weights=False, attn_mask=mask, is_causal=causal)
+    with torch.set_grad_enabled(train):
+        expected, _ = ref(x, x, x, need_weights=False, attn_mask=mask, is_causal=causal)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5  # (of the values' magnitude)
+    assert_close(out, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+    names = [e.name for e in prof.events()]
+    assert "aten::scaled_dot_product_attention" in names or "torchmha::blocked_attention" in names, names
+    return names.count("aten::clone") == 3
+cases = CASES
+for dtype, L, causal, train, expected in cases:
+    assert copies(dtype, L, causal, train) == expected, (dtype, L, causal, train)
+"""
+
+
+@needs_the_kernel
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs AVX2")
+@pytest.mark.parametrize("vendor,forced,cases", [
+    ("amd", None, "[(torch.float32, 1024, False, False, True), (torch.float32, 512, False, False, False), "
+                  "(torch.float32, 1024, True, False, False), (torch.float32, 1024, False, True, False), "
+                  "(torch.bfloat16, 1024, False, False, False)]"),
+    ("intel", None, "[(torch.float32, 1024, False, False, False)]"),
+    ("amd", "0", "[(torch.float32, 1024, False, False, False)]"),
+    ("intel", "1", "[(torch.float32, 64, False, False, True), (torch.bfloat16, 64, True, True, True)]"),
+], ids=["amd-rule", "intel", "forced-off", "forced-on"])
+def test_sdpa_gets_contiguous_heads_where_it_was_measured_faster(vendor, forced, cases):
+    """Where SDPA runs on the AMD EPYC Zen 3 (the AVX2 copy, forced here on any CPU): float32, forward,
+    not causal, from 1024^2 scores a head, q, k and v copied to (N, H, L, D) first (three clones), with
+    torch's results; views elsewhere, and on other vendors (not measured). TORCHMHA_SDPA_CONTIGUOUS
+    forces either way."""
+    env = {"TORCHMHA_CPU_CAPABILITY": "avx2", "TORCHMHA_CPU_VENDOR": vendor, "TORCHMHA_AMX": "0",
+           "TORCHMHA_AVX512_FP16": "0"}
+    if forced is not None:
+        env |= {"TORCHMHA_SDPA_CONTIGUOUS": forced, "TORCHMHA_BLOCKED_KERNEL": "0"}
+    run_python_with(SDPA_COPY_CHECK.replace("CASES", cases), set_env=env,
+                    unset=("TORCHMHA_BLOCKED_KERNEL", "TORCHMHA_SDPA_CONTIGUOUS"))
+
+
 @needs_the_kernel
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the rule was measured with AVX-512")
 def test_the_kernel_runs_where_it_was_measured_faster_than_sdpa():

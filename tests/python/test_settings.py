@@ -15,6 +15,8 @@ needs_avx512 = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AV
 TRIGGERS = {
     "TORCHMHA_BLOCKED_KERNEL": "m = torchmha.MultiheadAttention(8, 1); x = torch.randn(4, 1, 8); "
                                "m(x, x, x, need_weights=False)",
+    "TORCHMHA_SDPA_CONTIGUOUS": "m = torchmha.MultiheadAttention(8, 1); x = torch.randn(4, 1, 8); "
+                                "m(x, x, x, need_weights=False)",
     "TORCHMHA_MIN_KERNEL_SCORES": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
     "TORCHMHA_DECODE_KERNEL_MAX_ROWS": "q = torch.randn(1, 1, 1, 8); c = torch.zeros(1, 1, 4, 8); "
                                        "torch.ops.torchmha.decode_attention(q, q, q, c, c.clone(), "
@@ -63,6 +65,7 @@ SWITCH = "must be 0 or 1"
 COUNT = "must be a non-negative integer"
 MALFORMED = [
     ("TORCHMHA_BLOCKED_KERNEL", "yes", SWITCH),
+    ("TORCHMHA_SDPA_CONTIGUOUS", "copy", SWITCH),
     ("TORCHMHA_MIN_KERNEL_SCORES", "2e5", COUNT + " (scores a head)"),
     ("TORCHMHA_DECODE_KERNEL_MAX_ROWS", "many", COUNT + " (new rows a step)"),
     ("TORCHMHA_DECODE_KERNEL_MAX_ROWS", "-1", COUNT),
