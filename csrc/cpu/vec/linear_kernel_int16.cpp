@@ -137,13 +137,8 @@ void span_sums(const Int16Problem& p, const int8_t* w, int64_t k0, int64_t k1, i
   for (int f = 0; f < F; ++f) dots[f] += combine<U>(high_sums[f], low_sums[f]);
 }
 
-// Features [o, o + F): their dot products with x's digits, F rows of weights at once, U blocks of
-// 16 columns a step (F U = 4: 8 independent vpmaddwd chains), a span at a time. Four features a
-// pass load each block of x's digits once for four rows of weights (6.5 instructions per 16
-// weights, against 8 one feature a pass), and four adjacent rows are one contiguous block, which
-// the prefetchers still follow. AMD EPYC Zen 3, weight_reads' 36 int8 matrices at one row, 2
-// threads, alternated in one process against one feature a pass (medians of 12 rounds, 3 runs):
-// 1.11-1.17x faster; the generation model's int8 step 1.12 -> 1.00 ms.
+// Features [o, o + F) (span_sums' F and U), a span of columns at a time, then the columns past the
+// last whole block of 16; each feature's sum scaled to y.
 template <int F, int U>
 void features(const Int16Problem& p, int64_t o) {
   const int8_t* w = p.w + o * p.w_stride;
