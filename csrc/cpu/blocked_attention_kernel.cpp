@@ -29,6 +29,7 @@ using micro_gemm::mask_rows;
 using micro_gemm::OutputRows;
 using micro_gemm::matmul;
 using micro_gemm::gemm;
+using micro_gemm::transpose_head;
 
 // Query rows per block, and keys per block so that a block's products stay micro-GEMMs
 // (micro_gemm::matmul: up to 2^20 multiply-adds).
@@ -50,35 +51,6 @@ void online_softmax_rows(const kernel::OnlineSoftmaxRows& step) {
 void softmax_backward_rows(const kernel::SoftmaxBackwardRows& step) {
   cpu_capability() == Capability::kAvx512 ? kernel::avx512::softmax_backward_rows(step)
                                           : kernel::avx2::softmax_backward_rows(step);
-}
-
-// Head (n, h)'s keys [0, keys) transposed into `kt` (D x keys, row stride keys): the products
-// against K^T are then brgemm calls on plain row-major blocks. brgemm takes no transposed
-// operand, and the BLAS GEMM that reads K transposed in place repacks both operands on every call:
-// with K^T (once per head, not per block) the forward measured 0.81-0.93x SDPA's time at
-// 1024^2-4096^2 scores a head, against 0.95-0.99 without (AMD EPYC, 2 threads, 5 rounds each).
-// Made by the task that reads it, into its own buffer, rather than for all heads in one pass
-// before: it is then still in that core's cache (at 64 heads of 128^2 the forward went from 2.96
-// to 2.36 ms with this and the scale moved into the softmax step). The buffer is a Tensor, not a
-// std::vector: brgemm on rows less aligned than ATen's allocations measured 10% slower.
-// bfloat16 and float16 keys are converted here, as they are transposed.
-template <typename scalar_t>
-const float* transpose_head(const HeadRows<scalar_t>& rows, int64_t n, int64_t h, int64_t keys, int64_t D, Tensor& kt) {
-  if (kt.numel() < D * keys) {
-    kt = at::empty({D * keys}, at::kFloat);
-  }
-  // By 16 keys, so that each row of K^T gets a whole cache line at once from rows still in L1.
-  float* out = kt.data_ptr<float>();
-  for (int64_t s0 = 0; s0 < keys; s0 += 16) {
-    const int64_t count = std::min<int64_t>(16, keys - s0);
-    const scalar_t* first = rows(n, h, s0);
-    for (int64_t d = 0; d < D; ++d) {
-      for (int64_t s = 0; s < count; ++s) {
-        out[d * keys + s0 + s] = static_cast<float>(first[s * rows.ld + d]);
-      }
-    }
-  }
-  return out;
 }
 
 // Head (n, h)'s rows [first, last) in float32: float32 rows as they are; bfloat16 and float16 rows

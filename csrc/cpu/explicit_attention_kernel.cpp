@@ -28,6 +28,7 @@ using micro_gemm::mask_rows;
 using micro_gemm::matmul;
 using micro_gemm::matrix;
 using micro_gemm::OutputRows;
+using micro_gemm::transpose_head;
 
 // The block's scores are about this many bytes, so they stay in cache between the two GEMMs and
 // the softmax: half of a core's L2 on the development machine (256 KiB was 1.4x slower at
@@ -39,10 +40,40 @@ int64_t rows_in_buffer(int64_t S, int64_t element_size) {
   return std::clamp<int64_t>(kBlockBytes / (S * element_size), 8, 256);
 }
 
+// Q K^T as brgemm over the head's K^T (micro_gemm::transpose_head, made by the task that reads
+// it), rather than the BLAS GEMM reading K transposed in place, and the whole call on one thread
+// below 2^22 multiply-adds a product (N H L S D): float32, up to 128 keys, on AMD running the AVX2
+// copy (Zen 3). There MKL's GEMM runs its own threads on products of 16 x 16 x 64 (6.9 us a call
+// on 2 threads, 3.9 on 1) and repacks both operands each call. The op against the in-place GEMM
+// on 2 threads (AMD EPYC Zen 3, 2026-12-05, heads of 64, with and without the head average,
+// medians of 7 alternated rounds in one process): 0.55-0.57 of its time at 1 x 4 heads of 16^2,
+// 0.56-0.60 at 1-2 x 8 of 32^2, 0.65-0.67 and 0.74-0.79 at 1 and 2 x 8 of 64^2, 0.89-0.93 at
+// 1-8 x 8 of 128^2 and 4 x 8 of 96^2; at 256 keys and more (K^T made again for each block of
+// rows) 1.01-1.08, so the GEMM in place stays there. Two threads against one, before: 1.98x the
+// time at 1 x 4 heads of 16^2, 1.17 at 1 x 8 of 64^2 (2^21 multiply-adds), 0.95 at 2 x 8. On the
+// Intel Xeon (AVX-512, 2026-11-30, with every call on the threads) the in-place GEMM took
+// 0.78-0.90 of the copy's time at 1 x 4 heads of 16^2 and 0.83 at 8 x 8 of 128^2: not there.
+// TORCHMHA_TRANSPOSED_KEYS=1 takes both for every float32 call, 0 for none.
+template <typename scalar_t>
+bool transposes_keys(int64_t S) {
+  if (!std::is_same_v<scalar_t, float>) {
+    return false;
+  }
+  static const std::optional<bool> forced = settings::read_switch("TORCHMHA_TRANSPOSED_KEYS");
+  if (forced.has_value()) {
+    return *forced;
+  }
+  return S <= 128 && cpu_vendor() == Vendor::kAmd && cpu_capability() == Capability::kAvx2;
+}
+
+int64_t threads_for(int64_t N, int64_t H, int64_t L, int64_t S, int64_t D, bool transposed_keys) {
+  return transposed_keys && N * H * L * S * D < (int64_t(1) << 22) ? 1 : at::get_num_threads();
+}
+
 // Rows per block: the buffer above, but at least 4 blocks a thread when the rows allow.
-int64_t rows_per_block(int64_t N, int64_t L, int64_t S, int64_t element_size) {
+int64_t rows_per_block(int64_t N, int64_t L, int64_t S, int64_t element_size, int64_t threads) {
   int64_t rows = rows_in_buffer(S, element_size);
-  const int64_t wanted = 4 * at::get_num_threads();
+  const int64_t wanted = threads > 1 ? 4 * threads : 1;
   while (rows > 8 && N * ((L + rows - 1) / rows) < wanted) {
     rows /= 2;
   }
@@ -53,26 +84,36 @@ template <typename scalar_t>
 void explicit_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalTensor& mask,
                                bool average, const Tensor& heads, const Tensor& weights) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
-  const int64_t block = rows_per_block(N, L, S, sizeof(scalar_t));
+  const bool transposed_keys = transposes_keys<scalar_t>(S);
+  const int64_t threads = threads_for(N, H, L, S, D, transposed_keys);
+  const int64_t block = rows_per_block(N, L, S, sizeof(scalar_t), threads);
   const int64_t blocks_per_sequence = (L + block - 1) / block;
+  const int64_t tasks = N * blocks_per_sequence;
   const auto scale = static_cast<scalar_t>(1.0 / std::sqrt(static_cast<double>(D)));
   const bool avx512 = cpu_capability() == Capability::kAvx512;
   const HeadRows<scalar_t> q_rows(q), k_rows(k), v_rows(v);
   scalar_t* weights_data = weights.data_ptr<scalar_t>();
   const OutputRows<scalar_t> out_rows(heads);
 
-  at::parallel_for(0, N * blocks_per_sequence, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tasks, threads > 1 ? 1 : tasks, [&](int64_t begin, int64_t end) {
     at::NoGradGuard no_grad;  // grad mode is per thread; inside autograd's forward the inputs require grad
     std::vector<scalar_t> buffer(average ? block * S : 0);
+    Tensor kt_buffer;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / blocks_per_sequence, l0 = (task % blocks_per_sequence) * block;
       const int64_t rows = std::min(block, L - l0);
       for (int64_t h = 0; h < H; ++h) {
         // With the average, a block's scores live in the buffer; per head, in the result itself.
         scalar_t* scores = average ? buffer.data() : weights_data + ((n * H + h) * L + l0) * S;
-        // Q K^T with K read transposed in place by the BLAS GEMM: against K^T copied once and
-        // brgemm, 0.8x the op's time at 16-128 keys, 0.9-1x at 512-2048 (alternated rounds).
-        gemm<scalar_t>(false, true, rows, S, D, 1, q_rows(n, h, l0), q_rows.ld, k_rows(n, h), k_rows.ld, 0, scores, S);
+        if (transposed_keys) {  // (see transposes_keys)
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            matmul(rows, S, D, q_rows(n, h, l0), q_rows.ld, transpose_head(k_rows, n, h, S, D, kt_buffer), S, scores, S);
+          }
+        } else {
+          // K read transposed in place by the BLAS GEMM: against K^T copied once and brgemm, 0.8x
+          // the op's time at 16-128 keys, 0.9-1x at 512-2048 (Intel Xeon, alternated rounds).
+          gemm<scalar_t>(false, true, rows, S, D, 1, q_rows(n, h, l0), q_rows.ld, k_rows(n, h), k_rows.ld, 0, scores, S);
+        }
         int64_t mask_ld = 0;
         const scalar_t* mask_row = mask_rows<scalar_t>(mask, n, h, l0, &mask_ld);
         const kernel::SoftmaxRows<scalar_t> step{

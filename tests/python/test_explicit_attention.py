@@ -254,3 +254,30 @@ for dtype in (torch.float64, torch.float32):
 """
     run_python_with(code.replace("THRESHOLD", "0"), unset=("TORCHMHA_MIN_KERNEL_SCORES",))
     run_python_with(code.replace("THRESHOLD", "1000"), set_env={"TORCHMHA_MIN_KERNEL_SCORES": "1000"})
+
+
+@needs_the_kernel
+@pytest.mark.parametrize("transposed", ["0", "1", None], ids=["in-place-gemm", "transposed-keys", "this-cpu"])
+def test_both_products_of_the_scores_match_torch(transposed):
+    """Q K^T either way (explicit_attention_kernel.cpp, transposes_keys): brgemm over each head's K^T,
+    and the call on one thread below 2^22 multiply-adds, or the BLAS GEMM reading K in place, forced
+    by TORCHMHA_TRANSPOSED_KEYS (the rule takes the first on AMD's AVX2 copy up to 128 keys). Small
+    calls and ones split over threads in blocks of rows, masks, both head orders, with and without
+    the average."""
+    code = f"""
+import sys
+sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+import torch
+from helpers import assert_close
+from test_explicit_attention import run_both
+for N, H, D, L, S, mask in [(1, 4, 64, 16, 16, "none"), (2, 3, 7, 33, 40, "padding and attn_mask"),
+                            (3, 2, 16, 300, 100, "3-D attn_mask"), (1, 8, 64, 128, 128, "a fully masked row"),
+                            (2, 2, 16, 260, 200, "float attn_mask")]:
+    for average in (True, False):
+        c = dict(N=N, H=H, D=D, L=L, S=S, dtype=torch.float32, average=average, batch_first=average, mask=mask)
+        (expected_out, expected_w), (out, w) = run_both(c)
+        assert_close(out, expected_out, torch.float32, "output")
+        assert_close(w, expected_w, torch.float32, "weights")
+"""
+    run_python_with(code, set_env={} if transposed is None else {"TORCHMHA_TRANSPOSED_KEYS": transposed},
+                    unset=("TORCHMHA_TRANSPOSED_KEYS",))

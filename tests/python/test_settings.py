@@ -17,6 +17,8 @@ TRIGGERS = {
                                "m(x, x, x, need_weights=False)",
     "TORCHMHA_SDPA_CONTIGUOUS": "m = torchmha.MultiheadAttention(8, 1); x = torch.randn(4, 1, 8); "
                                 "m(x, x, x, need_weights=False)",
+    "TORCHMHA_TRANSPOSED_KEYS": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8)\n"
+                                "with torch.no_grad(): m(x, x, x)",
     "TORCHMHA_MIN_KERNEL_SCORES": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
     "TORCHMHA_DECODE_KERNEL_MAX_ROWS": "q = torch.randn(1, 1, 1, 8); c = torch.zeros(1, 1, 4, 8); "
                                        "torch.ops.torchmha.decode_attention(q, q, q, c, c.clone(), "
@@ -58,7 +60,9 @@ TRIGGERS = {
     "TORCHMHA_FAST_PATH_WEIGHTS_KERNEL": "m = torchmha.MultiheadAttention(8, 2, batch_first=True).eval(); "
                                          "x = torch.randn(1, 4, 8)\nwith torch.no_grad(): m(x, x, x)",
     "TORCHMHA_BRGEMM_MAX_MACS": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
-    "TORCHMHA_BLAS_GEMM": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
+    # (the explicit kernel's backward: its forward reads no K in place where it transposes the keys)
+    "TORCHMHA_BLAS_GEMM": "m = torchmha.MultiheadAttention(8, 1); x = torch.randn(4, 1, 8, requires_grad=True)\n"
+                          "m(x, x, x)[0].sum().backward()",
 }
 
 SWITCH = "must be 0 or 1"
@@ -66,6 +70,7 @@ COUNT = "must be a non-negative integer"
 MALFORMED = [
     ("TORCHMHA_BLOCKED_KERNEL", "yes", SWITCH),
     ("TORCHMHA_SDPA_CONTIGUOUS", "copy", SWITCH),
+    ("TORCHMHA_TRANSPOSED_KEYS", "kt", SWITCH),
     ("TORCHMHA_MIN_KERNEL_SCORES", "2e5", COUNT + " (scores a head)"),
     ("TORCHMHA_DECODE_KERNEL_MAX_ROWS", "many", COUNT + " (new rows a step)"),
     ("TORCHMHA_DECODE_KERNEL_MAX_ROWS", "-1", COUNT),
