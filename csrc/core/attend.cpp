@@ -99,11 +99,9 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const OptionalT
   const bool with_grad = records_grad({q, k, v});
   if (dropout_p > 0.0 || transformed({q, k, v, mask_or_none}) || records_grad({mask_or_none}) ||
       !cpu::blocked_kernel_applies(q, k, v, mask) || !cpu::blocked_kernel_pays_off(q, k, is_causal, with_grad)) {
-    if (cpu::sdpa_takes_contiguous_heads(q, k, is_causal, with_grad)) {
-      return at::scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous(), mask, dropout_p,
-                                              is_causal);
-    }
-    return at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal);
+    const bool copies = cpu::sdpa_takes_contiguous_heads(q, k, is_causal, with_grad);
+    const auto heads = [copies](const Tensor& t) { return copies ? t.contiguous() : t; };
+    return at::scaled_dot_product_attention(heads(q), heads(k), heads(v), mask, dropout_p, is_causal);
   }
   return with_grad ? blocked_attention_differentiable(q, k, v, mask, is_causal)
                    : std::get<0>(blocked_attention(q, k, v, mask, is_causal, batch_major));

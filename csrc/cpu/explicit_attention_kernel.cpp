@@ -52,7 +52,8 @@ int64_t rows_in_buffer(int64_t S, int64_t element_size) {
 // rows) 1.01-1.08, so the GEMM in place stays there. Two threads against one, before: 1.98x the
 // time at 1 x 4 heads of 16^2, 1.17 at 1 x 8 of 64^2 (2^21 multiply-adds), 0.95 at 2 x 8. On the
 // Intel Xeon (AVX-512, 2026-11-30, with every call on the threads) the in-place GEMM took
-// 0.78-0.90 of the copy's time at 1 x 4 heads of 16^2 and 0.83 at 8 x 8 of 128^2: not there.
+// 0.78-0.90 of the copy's time at 1 x 4 heads of 16^2, 0.83 at 8 x 8 of 128^2, 0.9-1 at 512-2048
+// keys: not there.
 // TORCHMHA_TRANSPOSED_KEYS=1 takes both for every float32 call, 0 for none.
 template <typename scalar_t>
 bool transposes_keys(int64_t S) {
@@ -105,13 +106,12 @@ void explicit_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v
       for (int64_t h = 0; h < H; ++h) {
         // With the average, a block's scores live in the buffer; per head, in the result itself.
         scalar_t* scores = average ? buffer.data() : weights_data + ((n * H + h) * L + l0) * S;
-        if (transposed_keys) {  // (see transposes_keys)
-          if constexpr (std::is_same_v<scalar_t, float>) {
+        // Q K^T: brgemm over K^T, or the BLAS GEMM reading K transposed in place (transposes_keys).
+        if (transposed_keys) {
+          if constexpr (std::is_same_v<scalar_t, float>) {  // (transposes_keys: float only)
             matmul(rows, S, D, q_rows(n, h, l0), q_rows.ld, transpose_head(k_rows, n, h, S, D, kt_buffer), S, scores, S);
           }
         } else {
-          // K read transposed in place by the BLAS GEMM: against K^T copied once and brgemm, 0.8x
-          // the op's time at 16-128 keys, 0.9-1x at 512-2048 (Intel Xeon, alternated rounds).
           gemm<scalar_t>(false, true, rows, S, D, 1, q_rows(n, h, l0), q_rows.ld, k_rows(n, h), k_rows.ld, 0, scores, S);
         }
         int64_t mask_ld = 0;

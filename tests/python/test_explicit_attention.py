@@ -257,13 +257,12 @@ for dtype in (torch.float64, torch.float32):
 
 
 @needs_the_kernel
-@pytest.mark.parametrize("transposed", ["0", "1", None], ids=["in-place-gemm", "transposed-keys", "this-cpu"])
+@pytest.mark.parametrize("transposed", ["0", "1"], ids=["in-place-gemm", "transposed-keys"])
 def test_both_products_of_the_scores_match_torch(transposed):
     """Q K^T either way (explicit_attention_kernel.cpp, transposes_keys): brgemm over each head's K^T,
     and the call on one thread below 2^22 multiply-adds, or the BLAS GEMM reading K in place, forced
-    by TORCHMHA_TRANSPOSED_KEYS (the rule takes the first on AMD's AVX2 copy up to 128 keys). Small
-    calls and ones split over threads in blocks of rows, masks, both head orders, with and without
-    the average."""
+    by TORCHMHA_TRANSPOSED_KEYS. Small calls and ones split over threads in blocks of rows, masks,
+    both head orders, with and without the average."""
     code = f"""
 import sys
 sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
@@ -279,5 +278,37 @@ for N, H, D, L, S, mask in [(1, 4, 64, 16, 16, "none"), (2, 3, 7, 33, 40, "paddi
         assert_close(out, expected_out, torch.float32, "output")
         assert_close(w, expected_w, torch.float32, "weights")
 """
-    run_python_with(code, set_env={} if transposed is None else {"TORCHMHA_TRANSPOSED_KEYS": transposed},
+    run_python_with(code, set_env={"TORCHMHA_TRANSPOSED_KEYS": transposed})
+
+
+TRANSPOSED_KEYS_RULE = """
+import torch
+def reads_k_in_place(dtype, S):
+    q, k = torch.randn(1, 4, 16, 64, dtype=dtype), torch.randn(1, 4, S, 64, dtype=dtype)
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        torch.ops.torchmha.attention_with_weights(q, k, k, None, True)
+    # (TORCHMHA_BLAS_GEMM=0: the GEMM in place runs as ATen's addmm; brgemm is no op)
+    return any(e.name.startswith("aten::") and e.name.endswith("mm") for e in prof.events())
+for dtype, S, expected in CASES:
+    assert reads_k_in_place(dtype, S) == expected, (dtype, S)
+"""
+
+
+@needs_the_kernel
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs AVX2")
+@pytest.mark.parametrize("vendor,forced,cases", [
+    ("amd", None, "[(torch.float32, 16, False), (torch.float32, 128, False), (torch.float32, 129, True), "
+                  "(torch.float64, 16, True)]"),
+    ("intel", None, "[(torch.float32, 16, True)]"),
+    ("amd", "0", "[(torch.float32, 16, True)]"),
+    ("intel", "1", "[(torch.float32, 16, False), (torch.float32, 200, False), (torch.float64, 16, True)]"),
+], ids=["amd-avx2", "intel", "forced-off", "forced-on"])
+def test_keys_are_transposed_where_it_was_measured_faster(vendor, forced, cases):
+    """transposes_keys: float32 up to 128 keys on AMD running the AVX2 copy (forced here on any CPU);
+    the GEMM in place for more keys, for double and on other vendors; TORCHMHA_TRANSPOSED_KEYS
+    forces either way (float32 only)."""
+    env = {"TORCHMHA_CPU_CAPABILITY": "avx2", "TORCHMHA_CPU_VENDOR": vendor, "TORCHMHA_BLAS_GEMM": "0"}
+    if forced is not None:
+        env["TORCHMHA_TRANSPOSED_KEYS"] = forced
+    run_python_with("import torchmha\n" + TRANSPOSED_KEYS_RULE.replace("CASES", cases), set_env=env,
                     unset=("TORCHMHA_TRANSPOSED_KEYS",))
