@@ -125,4 +125,27 @@ inline Vendor cpu_vendor() {
   return vendor;
 }
 
+/// Whether this CPU runs the AVX-512 copy's 512-bit instructions as two 256-bit halves: AMD's Zen 4
+/// (family 0x19 with AVX-512; Zen 3, the same family, has none; Zen 5, 0x1A, runs them whole).
+/// There a 512-bit VNNI or bfloat16 dot product costs as much as two of the float loop's FMAs, and
+/// the rules that chose them on Zen 5 lose (small_linear_kernel.cpp). TORCHMHA_AVX512_HALVES=0/1
+/// sets the answer (either is safe anywhere: it only moves those rules).
+inline bool cpu_splits_avx512() {
+  static const bool split = [] {
+    if (const auto set = settings::read_switch("TORCHMHA_AVX512_HALVES")) {
+      return *set;
+    }
+    unsigned int family = 0;
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(1, &eax, &ebx, &ecx, &edx)) {
+      family = (eax >> 8) & 0xF;
+      family += family == 0xF ? (eax >> 20) & 0xFF : 0;  // CPUID's extended family
+    }
+#endif
+    return cpu_vendor() == Vendor::kAmd && family == 0x19 && cpu_capability() == Capability::kAvx512;
+  }();
+  return split;
+}
+
 }  // namespace torchmha::cpu

@@ -147,11 +147,13 @@ int64_t for_each_tile_block(int64_t O, int64_t K, int64_t element_size, const Fn
 }
 
 // int8 weights through AVX512-VNNI's integer dot products (linear_kernel_vnni.cpp), for up to
-// kIntegerMaxRows rows, on AMD: there they beat the float conversion (docs/kernel_rules.md); on the
-// Intel Xeon with AMX they lost (0.72-0.96x at 2-4 rows, even at 1). TORCHMHA_VNNI=1 takes them on
-// any CPU with VNNI, 0 never.
+// kIntegerMaxRows rows, on AMD's Zen 5: there they beat the float conversion (docs/kernel_rules.md);
+// on the Intel Xeon with AMX they lost (0.72-0.96x at 2-4 rows, even at 1), and on Zen 4, which runs
+// them as two halves (cpu_splits_avx512), the float loop took 0.87, 0.65, 0.55 and 0.56 of their
+// time at 1-4 rows. TORCHMHA_VNNI=1 takes them on any CPU with VNNI, 0 never.
 bool integer_kernel_applies(int64_t M, int64_t K) {
-  static const bool on = settings::read_switch("TORCHMHA_VNNI").value_or(cpu_vendor() == Vendor::kAmd) &&
+  static const bool on =
+      settings::read_switch("TORCHMHA_VNNI").value_or(cpu_vendor() == Vendor::kAmd && !cpu_splits_avx512()) &&
       cpu_capability() == Capability::kAvx512 && at::cpu::is_avx512_vnni_supported();
   return on && M <= kernel::kIntegerMaxRows && K <= kernel::kIntegerMaxK;
 }
@@ -286,13 +288,16 @@ bool run_int16_kernel(const FloatRows& row, const Tensor& weight, const Tensor& 
 }
 
 // bfloat16 x through AVX512-BF16's dot products (linear_kernel_bf16.cpp) rather than the float
-// loop: against bfloat16 weights on every CPU with them, against int8 weights (5-8 rows) on AMD
-// only, where they won; on the Intel Xeon with AMX the float loop was 1.28-1.37x faster there
-// (docs/kernel_rules.md). TORCHMHA_AVX512_BF16=1 takes them for both, 0 for neither.
-bool bfloat16_kernel_applies(bool int8_weights) {
+// loop: against bfloat16 weights on every CPU with them (from 3 rows where the CPU splits AVX-512
+// in halves: on Zen 4 the float loop took 0.77 and 0.84 of their time at 1 and 2 rows, 1.00 at 3,
+// 1.18 at 4), against int8 weights (5-8 rows) on AMD only, where they won (Zen 4 too: the float
+// loop 1.58-1.63x their time); on the Intel Xeon with AMX the float loop was 1.28-1.37x faster
+// there (docs/kernel_rules.md). TORCHMHA_AVX512_BF16=1 takes them for both at any rows, 0 for neither.
+bool bfloat16_kernel_applies(bool int8_weights, int64_t M) {
   static const std::optional<bool> forced = settings::read_switch("TORCHMHA_AVX512_BF16");
   static const bool has = cpu_capability() == Capability::kAvx512 && cpu_has_feature("avx512_bf16");
-  return has && forced.value_or(!int8_weights || cpu_vendor() == Vendor::kAmd);
+  const bool measured_win = int8_weights ? cpu_vendor() == Vendor::kAmd : M >= 3 || !cpu_splits_avx512();
+  return has && forced.value_or(measured_win);
 }
 
 // bfloat16 weights on the tiles rather than the dot products from kAmxMinRows rows of x: there the
@@ -427,7 +432,7 @@ bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& sca
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<weight_t, c10::BFloat16>) {
     // (the tiles' rule first: it reads its setting on every CPU, and implies the dot products')
     const bool tiles = amx_kernel_applies(x.numel() / x.size(-1), x.size(-1), weight.size(0));
-    if (tiles || bfloat16_kernel_applies(false)) {
+    if (tiles || bfloat16_kernel_applies(false, x.numel() / x.size(-1))) {
       run_bfloat16_kernel<uint16_t>(x, weight, scale, bias, y, tiles);
       return true;
     }
@@ -457,7 +462,7 @@ bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& sca
     // (past VNNI's rows: the conversion to bfloat16 is shared by every row, each row then one
     // vdpbf16ps per 32 weights, against an FMA per 16 in the float loop)
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-      if (bfloat16_kernel_applies(true)) {
+      if (bfloat16_kernel_applies(true, rows.M)) {
         run_bfloat16_kernel<int8_t>(x, weight, scale, bias, y);
         return true;
       }

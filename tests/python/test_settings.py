@@ -45,6 +45,8 @@ TRIGGERS = {
                             "with torch.no_grad(): m(torch.randn(1, 1, 8), m.new_state(1, 2))",
     "TORCHMHA_VNNI": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
                      "torch.ops.torchmha.quantized_linear(torch.randn(1, 8), q, s, None)",
+    "TORCHMHA_AVX512_HALVES": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
+                              "torch.ops.torchmha.quantized_linear(torch.randn(1, 8), q, s, None)",
     "TORCHMHA_INT16_DIGITS": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
                              "torch.ops.torchmha.quantized_linear(torch.randn(1, 8), q, s, None)",
     "TORCHMHA_LINEAR_BLOCKED_ROWS": "torch.ops.torchmha.small_linear(torch.randn(9, 8), torch.randn(4, 8), None)",
@@ -79,6 +81,7 @@ MALFORMED = [
     ("TORCHMHA_STATIC_KERNEL", "always", SWITCH),
     ("TORCHMHA_SMALL_LINEAR", "off", SWITCH),
     ("TORCHMHA_VNNI", "on", SWITCH),
+    ("TORCHMHA_AVX512_HALVES", "zen4", SWITCH),
     ("TORCHMHA_INT16_DIGITS", "16", SWITCH),
     ("TORCHMHA_LINEAR_BLOCKED_ROWS", "all", COUNT + " (rows of x)"),
     ("TORCHMHA_RESIDUAL_NORM", "fused", SWITCH),
@@ -321,17 +324,42 @@ assert ("torchmha::small_linear" in names) == {}, names
 def test_vnni_setting_moves_int8_rows_off_the_integer_path():
     """x = (1e8, 1, -1e8) against weights of one: the integer digits sum it exactly (1), the float
     loop rounds 1e8 + 1 back to 1e8 (0). TORCHMHA_VNNI=1 takes the digits, 0 the float loop; unset,
-    the digits on AMD only (measured: small_linear_kernel.cpp), as TORCHMHA_CPU_VENDOR says."""
+    the digits on AMD only (measured: small_linear_kernel.cpp), as TORCHMHA_CPU_VENDOR says, and not
+    where AVX-512 runs in halves (Zen 4, as TORCHMHA_AVX512_HALVES says)."""
     code = """
 import torch, torchmha
 q = torch.ones(1, 3, dtype=torch.int8)
 y = torch.ops.torchmha.quantized_linear(torch.tensor([[1e8, 1.0, -1e8]]), q, torch.ones(1), None)
 assert y.item() == {}, y
 """
-    run_python_with(code.format(1.0), set_env={"TORCHMHA_VNNI": "1", "TORCHMHA_CPU_VENDOR": "intel"})
-    run_python_with(code.format(0.0), set_env={"TORCHMHA_VNNI": "0", "TORCHMHA_CPU_VENDOR": "amd"})
-    for vendor, sum_of_x in (("amd", 1.0), ("intel", 0.0)):
-        run_python_with(code.format(sum_of_x), set_env={"TORCHMHA_CPU_VENDOR": vendor}, unset=("TORCHMHA_VNNI",))
+    run_python_with(code.format(1.0), set_env={"TORCHMHA_VNNI": "1", "TORCHMHA_CPU_VENDOR": "intel",
+                                               "TORCHMHA_AVX512_HALVES": "1"})
+    run_python_with(code.format(0.0), set_env={"TORCHMHA_VNNI": "0", "TORCHMHA_CPU_VENDOR": "amd",
+                                               "TORCHMHA_AVX512_HALVES": "0"})
+    for vendor, halves, sum_of_x in (("amd", "0", 1.0), ("amd", "1", 0.0), ("intel", "0", 0.0)):
+        run_python_with(code.format(sum_of_x), set_env={"TORCHMHA_CPU_VENDOR": vendor, "TORCHMHA_AVX512_HALVES": halves},
+                        unset=("TORCHMHA_VNNI",))
+
+
+@pytest.mark.skipif(
+    not (torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported()),
+    reason="needs AVX512-BF16")
+def test_bfloat16_weights_take_the_float_loop_below_3_rows_where_avx512_runs_in_halves():
+    """bfloat16 x = 1e-39 (a subnormal) against bfloat16 weights of 2^100: vdpbf16ps reads it as zero,
+    the float loop gives 2.5e-9. Unset, the dot products at every row count, but from 3 rows where
+    AVX-512 runs in halves (Zen 4: measured, small_linear_kernel.cpp); TORCHMHA_AVX512_BF16=1 at any."""
+    code = """
+import torch, torchmha
+w = torch.full((1, 2), 2.0**100, dtype=torch.bfloat16)
+def dot_products(rows):
+    y = torch.ops.torchmha.small_linear(torch.full((rows, 2), 1e-39, dtype=torch.bfloat16), w, None)
+    return bool((y == 0).all())
+assert [dot_products(r) for r in (1, 2, 3, 8)] == {}
+"""
+    run_python_with(code.format([False, False, True, True]), set_env={"TORCHMHA_AVX512_HALVES": "1"},
+                    unset=("TORCHMHA_AVX512_BF16",))
+    run_python_with(code.format([True] * 4), set_env={"TORCHMHA_AVX512_HALVES": "0"}, unset=("TORCHMHA_AVX512_BF16",))
+    run_python_with(code.format([True] * 4), set_env={"TORCHMHA_AVX512_HALVES": "1", "TORCHMHA_AVX512_BF16": "1"})
 
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs AVX2")
