@@ -47,7 +47,9 @@ TRIGGERS = {
                      "torch.ops.torchmha.quantized_linear(torch.randn(1, 8), q, s, None)",
     "TORCHMHA_AVX512_HALVES": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
                               "torch.ops.torchmha.quantized_linear(torch.randn(1, 8), q, s, None)",
-    "TORCHMHA_INT16_DIGITS": "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
+    # (VNNI off, as the suite's TORCHMHA_VNNI=1 would take the row before the digits' rule is read)
+    "TORCHMHA_INT16_DIGITS": "import os; os.environ['TORCHMHA_VNNI'] = '0'; "
+                             "q, s = torch.ops.torchmha.quantize_weight(torch.randn(4, 8)); "
                              "torch.ops.torchmha.quantized_linear(torch.randn(1, 8), q, s, None)",
     "TORCHMHA_LINEAR_BLOCKED_ROWS": "torch.ops.torchmha.small_linear(torch.randn(9, 8), torch.randn(4, 8), None)",
     "TORCHMHA_CPU_CAPABILITY": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
