@@ -2,6 +2,9 @@
 a ValueError naming the setting, and each setting forces the choice it is documented to force.
 Settings are read once per process, so every check runs in a fresh interpreter."""
 
+import os
+import re
+
 import pytest
 import torch
 
@@ -362,6 +365,11 @@ assert [dot_products(r) for r in (1, 2, 3, 8)] == {}
                     unset=("TORCHMHA_AVX512_BF16",))
     run_python_with(code.format([True] * 4), set_env={"TORCHMHA_AVX512_HALVES": "0"}, unset=("TORCHMHA_AVX512_BF16",))
     run_python_with(code.format([True] * 4), set_env={"TORCHMHA_AVX512_HALVES": "1", "TORCHMHA_AVX512_BF16": "1"})
+    # Unforced, the answer is the CPU's: AMD family 25 (0x19) with AVX-512 is Zen 4.
+    cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    zen4 = "AuthenticAMD" in cpuinfo and re.search(r"^cpu family\s*:\s*25$", cpuinfo, re.M) is not None
+    run_python_with(code.format([not zen4, not zen4, True, True]),
+                    unset=("TORCHMHA_AVX512_BF16", "TORCHMHA_AVX512_HALVES"))
 
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs AVX2")
