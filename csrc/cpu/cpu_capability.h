@@ -13,6 +13,7 @@
 #include "common/settings.h"
 
 #include <cstring>
+#include <optional>
 #include <string>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -93,6 +94,22 @@ inline bool reduced_gemm_in_float32(at::ScalarType dtype) {
   return dtype == at::kBFloat16 ? bf16 : fp16;
 }
 
+struct CpuidLeaf {
+  unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
+};
+
+/// CPUID's registers for `leaf`, or nothing where the CPU is not x86 or lacks the leaf.
+inline std::optional<CpuidLeaf> cpuid(unsigned int leaf) {
+#if defined(__x86_64__) || defined(__i386__)
+  CpuidLeaf out;
+  if (__get_cpuid(leaf, &out.eax, &out.ebx, &out.ecx, &out.edx)) {
+    return out;
+  }
+#endif
+  (void)leaf;
+  return std::nullopt;
+}
+
 enum class Vendor { kIntel, kAmd, kHygon, kOther };
 
 /// The CPU's vendor, from CPUID's vendor string ("GenuineIntel", "AuthenticAMD", "HygonGenuine"),
@@ -107,20 +124,18 @@ inline Vendor cpu_vendor() {
       return *set == "intel" ? Vendor::kIntel : *set == "amd" ? Vendor::kAmd : *set == "hygon" ? Vendor::kHygon
                                                                                                 : Vendor::kOther;
     }
-#if defined(__x86_64__) || defined(__i386__)
-    unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx)) {
-      char name[13] = {};
-      std::memcpy(name, &ebx, 4);
-      std::memcpy(name + 4, &edx, 4);
-      std::memcpy(name + 8, &ecx, 4);
-      const std::string id(name);
-      return id == "GenuineIntel" ? Vendor::kIntel : id == "AuthenticAMD" ? Vendor::kAmd
-                                                   : id == "HygonGenuine" ? Vendor::kHygon
-                                                                          : Vendor::kOther;
+    const auto leaf = cpuid(0);
+    if (!leaf.has_value()) {
+      return Vendor::kOther;
     }
-#endif
-    return Vendor::kOther;
+    char name[13] = {};
+    std::memcpy(name, &leaf->ebx, 4);
+    std::memcpy(name + 4, &leaf->edx, 4);
+    std::memcpy(name + 8, &leaf->ecx, 4);
+    const std::string id(name);
+    return id == "GenuineIntel" ? Vendor::kIntel : id == "AuthenticAMD" ? Vendor::kAmd
+                                                 : id == "HygonGenuine" ? Vendor::kHygon
+                                                                        : Vendor::kOther;
   }();
   return vendor;
 }
@@ -136,13 +151,10 @@ inline bool cpu_splits_avx512() {
       return *set;
     }
     unsigned int family = 0;
-#if defined(__x86_64__) || defined(__i386__)
-    unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (__get_cpuid(1, &eax, &ebx, &ecx, &edx)) {
-      family = (eax >> 8) & 0xF;
-      family += family == 0xF ? (eax >> 20) & 0xFF : 0;  // CPUID's extended family
+    if (const auto leaf = cpuid(1)) {
+      family = (leaf->eax >> 8) & 0xF;
+      family += family == 0xF ? (leaf->eax >> 20) & 0xFF : 0;  // CPUID's extended family
     }
-#endif
     return cpu_vendor() == Vendor::kAmd && family == 0x19 && cpu_capability() == Capability::kAvx512;
   }();
   return split;
