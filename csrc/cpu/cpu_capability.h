@@ -143,7 +143,8 @@ inline Vendor cpu_vendor() {
 /// Whether this CPU runs the AVX-512 copy's 512-bit instructions as two 256-bit halves: AMD's Zen 4
 /// (family 0x19 with AVX-512; Zen 3, the same family, has none; Zen 5, 0x1A, runs them whole).
 /// There a 512-bit VNNI or bfloat16 dot product costs as much as two of the float loop's FMAs, and
-/// the rules that chose them on Zen 5 lose (small_linear_kernel.cpp). TORCHMHA_AVX512_HALVES=0/1
+/// the rules that chose them on Zen 5 lose, as do the float blocks past 64 rows against MKL's GEMM
+/// (small_linear_kernel.cpp). TORCHMHA_AVX512_HALVES=0/1
 /// sets the answer (either is safe anywhere: it only moves those rules).
 inline bool cpu_splits_avx512() {
   static const bool split = [] {

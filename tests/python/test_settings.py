@@ -414,23 +414,25 @@ def blocks(rows, dtype, O=24, K=40, int8=True):
 # Per vendor, as measured with AVX-512 (small_linear_kernel.cpp): the most rows that int8 weights
 # take in blocks with float32/float16 x, and float32 and float16 weights of 512x512 (float32's
 # 4096x1025, past 16 MiB, in the last column; the cap is in bytes: float16's 4096x2048 is under it).
-BLOCK_LIMITS = {"amd": (1024, 1024, 1024, 64), "intel": (64, 32, 0, 16), "other": (32, 0, 0, 0),
-                "amd-avx2": (128, 128, 128, 128)}
+# "amd-halves": Zen 4, whose AVX-512 runs in halves (TORCHMHA_AVX512_HALVES=1), float weights 64 rows.
+BLOCK_LIMITS = {"amd": (1024, 1024, 1024, 64), "amd-halves": (1024, 64, 64, 64), "intel": (64, 32, 0, 16),
+                "other": (32, 0, 0, 0), "amd-avx2": (128, 128, 128, 128)}
 
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs the AVX2 copy")
-@pytest.mark.parametrize("vendor", ["amd", "intel", "other"])
+@pytest.mark.parametrize("vendor", ["amd", "amd-halves", "intel", "other"])
 def test_rows_past_the_kernel_go_in_blocks_up_to_the_rule_then_to_a_gemm(vendor):
     """Past 8 rows, the kernel takes a call in blocks of 8 (narrowed views of x and y) up to a limit, and a
     GEMM (a linear) takes it beyond. With AVX-512, for float32 and float16 x: on AMD int8 weights and
-    float weights of 2^18 elements up to 16 MiB up to 1024 rows, larger float weights up to 64; on
-    Intel int8 up to 64 rows, float32 up to 32 (16 past 16 MiB) and float16 none; on AMD with the AVX2
+    float weights of 2^18 elements up to 16 MiB up to 1024 rows (64 where AVX-512 runs in halves, Zen 4),
+    larger float weights up to 64; on Intel int8 up to 64 rows, float32 up to 32 (16 past 16 MiB) and float16 none; on AMD with the AVX2
     copy int8 and float weights of 2^18 elements up to 128 rows, bfloat16 too; elsewhere and for
     bfloat16, 32 int8 rows and no float blocks, but bfloat16 weights of 256 KiB to 2 MiB up to 16 rows where AMX tiles
     run (any vendor: the hardware decides; measured: small_linear_kernel.cpp). TORCHMHA_CPU_VENDOR names
     the vendor (with the AVX2 copy every vendor but AMD gets "elsewhere"); the row setting moves the limit."""
     limits = BLOCK_LIMITS[vendor if torch.backends.cpu.get_cpu_capability() == "AVX512" else
-                          "amd-avx2" if vendor == "amd" else "other"]
+                          "amd-avx2" if vendor.startswith("amd") else "other"]
+    cpu = {"TORCHMHA_CPU_VENDOR": vendor.split("-")[0], "TORCHMHA_AVX512_HALVES": str(int(vendor == "amd-halves"))}
     code = LINEAR_BLOCKS + f"""
 int8, f32, f16, huge = {limits}
 def up_to(limit, dtype, *shape):
@@ -449,11 +451,11 @@ else:
     assert up_to(32, torch.bfloat16) and up_to(16 if tiles else 0, torch.bfloat16, 512, 512, False)
     assert not blocks(9, torch.bfloat16, 256, 480, False) and not blocks(9, torch.bfloat16, 1025, 1024, False)  # (256 KiB-2 MiB)
 """
-    run_python_with(code, set_env={"TORCHMHA_CPU_VENDOR": vendor}, unset=("TORCHMHA_LINEAR_BLOCKED_ROWS",))
+    run_python_with(code, set_env=cpu, unset=("TORCHMHA_LINEAR_BLOCKED_ROWS",))
     forced = LINEAR_BLOCKS + \
         "assert blocks(16, torch.float32) and not blocks(17, torch.float32) and not blocks(17, torch.bfloat16)\n" \
         "assert blocks(16, torch.bfloat16, int8=False) and not blocks(17, torch.float32, int8=False)"
-    run_python_with(forced, set_env={"TORCHMHA_LINEAR_BLOCKED_ROWS": "16", "TORCHMHA_CPU_VENDOR": vendor})
+    run_python_with(forced, set_env={"TORCHMHA_LINEAR_BLOCKED_ROWS": "16", **cpu})
 
 
 # A linear layer on 64 rows (past the small-batch kernel; a weight under the 2^18 elements of its
