@@ -102,8 +102,8 @@ int64_t tile_min_rows(int64_t measured) {
 // 128 KiB 1.03 at 16). Zen 4 (AVX-512 in halves, cpu_splits_avx512; 2026-12-06, the 36 weights,
 // alternated processes, 5-7 rounds), blocks over the GEMM's time: float32 0.60 at 16 rows,
 // 0.71-0.79 at 32-64, 0.67-1.04 at 80-104 (the GEMM's own time jumped between runs there), 0.98-1.15
-// at 128-512, 1.09-1.14 at 1024; float16 0.19 at 16, 0.50 at 64, 0.77-1.10 at 128, 1.12-1.30 at
-// 256-1024; int8 with float32 x 0.36 at 64, 0.81-0.83 at 256-1024 (kept at 1024). So 64 rows there.
+// at 128-512, 1.09-1.14 at 1024; float16 0.19 at 16, 0.50 at 64, 0.77 and 1.10 at 128 (two runs),
+// 1.12-1.30 at 160-1024; int8 with float32 x 0.36 at 64, 0.81-0.83 at 256-1024 (kept at 1024). So 64 rows there.
 // TORCHMHA_LINEAR_BLOCKED_ROWS=R sets the limit for every weight.
 int64_t blocked_rows(const Tensor& x, const Tensor& weight, bool quantized) {
   static const std::optional<int64_t> forced = settings::read_count("TORCHMHA_LINEAR_BLOCKED_ROWS", "rows of x");
