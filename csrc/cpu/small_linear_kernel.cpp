@@ -413,6 +413,23 @@ void each_block(const kernel::LinearProblem<scalar_t, weight_t>& p, int64_t begi
   }
 }
 
+// Whether the float loop prefetches the weights into L2 only rather than L1 (linear_kernel_impl.h).
+// On Zen 4 (cpu_splits_avx512; weight_reads' 36 matrices, 2 threads, alternated processes, 5-9
+// rounds, medians of the L2 hint's time over L1's, two or three runs): float32 weights 0.81-0.94 at
+// 1 row, 0.74-0.76 at 2, 0.66-0.70 at 3-4, 0.57 at 5, 0.63-0.64 at 8, and its blocks of 8 rows 0.53
+// against 0.60 of the GEMM's time at 16 rows, 0.85 against 0.91 at 64; bfloat16 weights (the float
+// loop at 1-2 rows there) 0.84-1.03 at 1, 0.76-0.96 at 2. int8 weights measured 0.97-1.07 and
+// float16 0.77-1.13, varying with the rows (the conversions bound them, not the loads), and the
+// bfloat16 dot products' own prefetch 0.86-1.15: those keep L1. Other CPUs keep L1 (Zen 5's hint
+// was measured against none, not against L2). TORCHMHA_PREFETCH_L2=1 takes L2 for every weight
+// dtype on the AVX-512 copy, 0 never.
+template <typename weight_t>
+bool weights_to_l2() {
+  static const std::optional<bool> forced = settings::read_switch("TORCHMHA_PREFETCH_L2");
+  constexpr bool measured = std::is_same_v<weight_t, float> || std::is_same_v<weight_t, c10::BFloat16>;
+  return forced.value_or(measured && cpu_splits_avx512());
+}
+
 // The float loop on output features [done, O) of p, split over threads. Past kLinearMaxRows rows
 // (float_loop_only), blocks of them: each thread takes its features a chunk at a time through every
 // block, so the chunk's weights come from memory once and from L2 for the other blocks (a block at
@@ -475,7 +492,8 @@ bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& sca
   const kernel::LinearProblem<scalar_t, weight_t> problem{
       rows.data, weight.const_data_ptr<weight_t>(), weight.stride(0),
       is_present(scale) ? scale->const_data_ptr<float>() : nullptr,
-      is_present(bias) ? bias->const_data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(), rows.M, K, O};
+      is_present(bias) ? bias->const_data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(), rows.M, K, O,
+      weights_to_l2<weight_t>()};
   float_loop(problem, done);
   return true;
 }

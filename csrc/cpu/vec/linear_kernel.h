@@ -25,6 +25,7 @@ struct LinearProblem {
   const scalar_t* bias;   // (O,) or null
   scalar_t* y;            // (M, O), contiguous
   int64_t M, K, O;
+  bool weights_to_l2 = false;  // prefetch the weights into L2 only, not L1 (the AVX-512 copy)
 };
 
 constexpr int64_t kLinearMaxRows = 8;

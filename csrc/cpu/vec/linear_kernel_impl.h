@@ -83,7 +83,11 @@ constexpr int kAccumulators = V::size() == 16 ? 16 : 8;
 // against none: float32 1.67x faster at 8 rows, 1.34x at 4, 1.14x at 2, 1.04x at 1; int8's float
 // loop 1.51x at 8; bfloat16 1.32x at 8, 1.27x at 4, 1.15x at 1. 2 and 8 rows ahead measured about
 // as 4 (8 a little slower at 8 rows). (Prefetching past the last row is harmless: no fault.)
+// Into L1 (prefetcht0), or into L2 only (prefetcht1) where LinearProblem::weights_to_l2 says
+// (small_linear_kernel.cpp: Zen 4's float32 and bfloat16 weights); the AVX2 copy, unmeasured, L1.
+// The hint is __builtin_prefetch's locality, a constant: 3 is prefetcht0, 2 prefetcht1.
 constexpr int64_t kPrefetchRows = 4;
+constexpr int kIntoL1 = 3, kIntoL2 = 2;
 
 // Columns [begin, end) of K in one pass over a block of features. Where x's rows do not fit L1
 // together, K is taken in spans (rows_of), and each feature's sums are carried between the passes.
@@ -137,7 +141,7 @@ C10_ALWAYS_INLINE void finish(const LinearProblem<scalar_t, weight_t>& p, int64_
 // stream, which the prefetchers follow; interleaving features there measured half the rate (10.7
 // against 20 GB/s on one core). With many rows the loop is bound by arithmetic and by loading x
 // again for each feature: F = 2 loads each vector of x once for two features (rows_of).
-template <typename scalar_t, typename weight_t, int M, int F>
+template <typename scalar_t, typename weight_t, int M, int F, int Hint>
 void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan& span) {
   constexpr int A = kAccumulators / (M * F);
   constexpr int U = A >= 16 ? 16 : A >= 8 ? 8 : A >= 4 ? 4 : A >= 2 ? 2 : 1;
@@ -151,7 +155,7 @@ void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan
   const auto block = [&](int64_t k, int u) {
     V weights[F];
     for (int f = 0; f < F; ++f) {
-      _mm_prefetch(ahead + (f * p.w_stride + k) * sizeof(weight_t), _MM_HINT_T0);
+      __builtin_prefetch(ahead + (f * p.w_stride + k) * sizeof(weight_t), 0, Hint);
       weights[f] = in_register(load_float(w + f * p.w_stride + k));
     }
     for (int m = 0; m < M; ++m) {
@@ -206,7 +210,7 @@ void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan
 // 1.05-1.09x faster, int8 1.10-1.12x, bfloat16 1.09-1.10x, float16 1.12-1.16x; at 5 rows float32
 // 1.04-1.06x, int8 1.09x, bfloat16 1.05x, float16 1.16x. (A stand-alone copy of the two loops
 // measured 1.20-1.26x in float32; the kernel's prefetches and reductions are shared by both.)
-template <typename scalar_t, typename weight_t, int M>
+template <typename scalar_t, typename weight_t, int M, int Hint>
 void row_halves(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64_t end, const KSpan& span) {
   LinearProblem<scalar_t, weight_t> upper = p;  // rows 4 on
   upper.x += 4 * p.K;
@@ -216,23 +220,23 @@ void row_halves(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64
                          span.block};
   int64_t o = begin;
   for (; o + 3 <= end; o += 3) {
-    features<scalar_t, weight_t, 4, 3>(p, o, span);
-    features<scalar_t, weight_t, M - 4, 3>(upper, o, upper_span);
+    features<scalar_t, weight_t, 4, 3, Hint>(p, o, span);
+    features<scalar_t, weight_t, M - 4, 3, Hint>(upper, o, upper_span);
   }
-  for (; o < end; ++o) features<scalar_t, weight_t, M, 1>(p, o, span);
+  for (; o < end; ++o) features<scalar_t, weight_t, M, 1, Hint>(p, o, span);
 }
 
-template <typename scalar_t, typename weight_t, int M>
+template <typename scalar_t, typename weight_t, int M, int Hint>
 void features_in(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64_t end, const KSpan& span) {
   if constexpr (V::size() == 8 && M >= 5) {
-    row_halves<scalar_t, weight_t, M>(p, begin, end, span);
+    row_halves<scalar_t, weight_t, M, Hint>(p, begin, end, span);
   } else {
     constexpr bool pairs = V::size() == 16 && M >= 3 && (std::is_same_v<weight_t, float> || std::is_same_v<weight_t, int8_t>);
     constexpr bool quads = V::size() == 16 && M == 1 && std::is_same_v<weight_t, int8_t>;
     constexpr int F = pairs ? 2 : quads ? 4 : 1;
     int64_t o = begin;
-    for (; o + F <= end; o += F) features<scalar_t, weight_t, M, F>(p, o, span);
-    for (; o < end; ++o) features<scalar_t, weight_t, M, 1>(p, o, span);
+    for (; o + F <= end; o += F) features<scalar_t, weight_t, M, F, Hint>(p, o, span);
+    for (; o < end; ++o) features<scalar_t, weight_t, M, 1, Hint>(p, o, span);
   }
 }
 
@@ -249,34 +253,44 @@ int64_t k_span(int64_t K) {
   return span == 0 || K <= span ? K : span;
 }
 
-template <typename scalar_t, typename weight_t, int M>
+template <typename scalar_t, typename weight_t, int M, int Hint>
 void rows_of(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64_t end) {
   const int64_t span = k_span<M>(p.K);
   if (span == p.K) {
-    return features_in<scalar_t, weight_t, M>(p, begin, end, KSpan{0, p.K, nullptr, begin});
+    return features_in<scalar_t, weight_t, M, Hint>(p, begin, end, KSpan{0, p.K, nullptr, begin});
   }
   float carried[M * kFeatureBlock];
   for (int64_t block = begin; block < end; block += kFeatureBlock) {
     const int64_t block_end = std::min(end, block + kFeatureBlock);
     for (int64_t k = 0; k < p.K; k += span) {
       const KSpan part{k, std::min(p.K, k + span), carried, block};
-      features_in<scalar_t, weight_t, M>(p, block, block_end, part);
+      features_in<scalar_t, weight_t, M, Hint>(p, block, block_end, part);
     }
+  }
+}
+
+template <typename scalar_t, typename weight_t, int Hint>
+void rows_with(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64_t end) {
+  switch (p.M) {
+    case 1: return rows_of<scalar_t, weight_t, 1, Hint>(p, begin, end);
+    case 2: return rows_of<scalar_t, weight_t, 2, Hint>(p, begin, end);
+    case 3: return rows_of<scalar_t, weight_t, 3, Hint>(p, begin, end);
+    case 4: return rows_of<scalar_t, weight_t, 4, Hint>(p, begin, end);
+    case 5: return rows_of<scalar_t, weight_t, 5, Hint>(p, begin, end);
+    case 6: return rows_of<scalar_t, weight_t, 6, Hint>(p, begin, end);
+    case 7: return rows_of<scalar_t, weight_t, 7, Hint>(p, begin, end);
+    default: return rows_of<scalar_t, weight_t, 8, Hint>(p, begin, end);
   }
 }
 
 template <typename scalar_t, typename weight_t>
 void run(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64_t end) {
-  switch (p.M) {
-    case 1: return rows_of<scalar_t, weight_t, 1>(p, begin, end);
-    case 2: return rows_of<scalar_t, weight_t, 2>(p, begin, end);
-    case 3: return rows_of<scalar_t, weight_t, 3>(p, begin, end);
-    case 4: return rows_of<scalar_t, weight_t, 4>(p, begin, end);
-    case 5: return rows_of<scalar_t, weight_t, 5>(p, begin, end);
-    case 6: return rows_of<scalar_t, weight_t, 6>(p, begin, end);
-    case 7: return rows_of<scalar_t, weight_t, 7>(p, begin, end);
-    default: return rows_of<scalar_t, weight_t, 8>(p, begin, end);
+#ifdef CPU_CAPABILITY_AVX512
+  if (p.weights_to_l2) {
+    return rows_with<scalar_t, weight_t, kIntoL2>(p, begin, end);
   }
+#endif
+  rows_with<scalar_t, weight_t, kIntoL1>(p, begin, end);
 }
 
 }  // namespace
