@@ -154,6 +154,23 @@ def test_one_row_takes_four_features_a_pass_in_the_float_loop():
     run_python_with(code, set_env={"TORCHMHA_VNNI": "0"}, unset=("TORCHMHA_AMX_LINEAR",))
 
 
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs AVX2")
+def test_avx2_copy_takes_three_int8_features_a_pass_from_two_rows():
+    """On torchmha's AVX2 copy (ATEN_CPU_CAPABILITY=avx2), VNNI off, 2-4 rows of int8 weights take
+    the float loop three features a pass (docs/kernel_rules.md): products 2^25 at column 0 and
+    -2^25 at column 8 cancel in one accumulator before the 1 at column 32 joins (1.0); one feature
+    a pass (two or four accumulators a row) loses the 1 beside 2^25 first (0.0)."""
+    from helpers import run_python_with
+    code = ("import torch, torchmha\n"
+            "w = torch.zeros(3, 64, dtype=torch.int8); w[:, 0] = w[:, 8] = 64; w[:, 32] = 1\n"
+            "for rows in (2, 3, 4):\n"
+            "    x = torch.zeros(rows, 64); x[:, 0], x[:, 8], x[:, 32] = 2.0 ** 19, -2.0 ** 19, 1.0\n"
+            "    y = torch.ops.torchmha.quantized_linear(x, w, torch.ones(3), None)\n"
+            "    assert y.eq(1.0).all(), (rows, y)\n")
+    run_python_with(code, set_env={"ATEN_CPU_CAPABILITY": "avx2", "TORCHMHA_VNNI": "0"},
+                    unset=("TORCHMHA_CPU_CAPABILITY", "TORCHMHA_AMX_LINEAR"))
+
+
 def test_the_reference_past_the_blocks_computes_the_same():
     """TORCHMHA_LINEAR_BLOCKED_ROWS=8: every call past the kernel's 8 rows dequantizes for a GEMM."""
     from helpers import run_python_with

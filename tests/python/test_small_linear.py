@@ -49,6 +49,26 @@ def test_without_avx512_bf16_the_float_loop_computes_the_same():
     run_python_with(code % str(pathlib.Path(__file__).parent), set_env={"TORCHMHA_AVX512_BF16": "0"})
 
 
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs AVX2")
+def test_avx2_copy_takes_three_features_a_pass_from_four_rows_or_three_converted():
+    """On torchmha's AVX2 copy (ATEN_CPU_CAPABILITY=avx2 puts it there on any CPU) the float loop
+    takes three features a pass at 4 rows of float32 weights, and from 3 of bfloat16 and float16
+    (docs/kernel_rules.md). The probe tells its one accumulator a row from one feature's two or
+    four: products 2^25 at column 0 and -2^25 at column 8 meet in one accumulator and cancel
+    before the 1 at column 32 joins (1.0); with two or four, column 32 lands in column 0's
+    accumulator and the 1 is lost beside 2^25 first (0.0)."""
+    code = """
+import torch, torchmha
+for dtype, three_from in ((torch.float32, 4), (torch.bfloat16, 3), (torch.float16, 3)):
+    for rows in (2, 3, 4):
+        x = torch.zeros(rows, 64); x[:, 0], x[:, 8], x[:, 32] = 2.0 ** 12, -2.0 ** 12, 1.0
+        w = torch.zeros(3, 64); w[:, 0], w[:, 8], w[:, 32] = 2.0 ** 13, 2.0 ** 13, 1.0
+        y = torch.ops.torchmha.small_linear(x.to(dtype), w.to(dtype), None)
+        assert y.float().eq(1.0 if rows >= three_from else 0.0).all(), (dtype, rows, y)
+"""
+    run_python_with(code, set_env={"ATEN_CPU_CAPABILITY": "avx2"}, unset=("TORCHMHA_CPU_CAPABILITY",))
+
+
 @needs_avx512_bf16
 def test_avx512_bf16_setting_moves_bfloat16_rows_to_the_float_loop():
     """x = 1e-39 (a bfloat16 subnormal) against a weight of 2^100: vdpbf16ps reads subnormal inputs as

@@ -84,7 +84,8 @@ constexpr int kAccumulators = V::size() == 16 ? 16 : 8;
 // loop 1.51x at 8; bfloat16 1.32x at 8, 1.27x at 4, 1.15x at 1. 2 and 8 rows ahead measured about
 // as 4 (8 a little slower at 8 rows). (Prefetching past the last row is harmless: no fault.)
 // Into L1 (prefetcht0), or into L2 only (prefetcht1) where LinearProblem::weights_to_l2 says
-// (small_linear_kernel.cpp: Zen 4's float32 and bfloat16 weights); the AVX2 copy, unmeasured, L1.
+// (small_linear_kernel.cpp: Zen 4's float32 and bfloat16 weights); the AVX2 copy L1 only (an L2
+// hint there measured no clear difference on the AMD EPYC Zen 3: docs/kernel_rules.md).
 // The hint is __builtin_prefetch's locality, a constant: 3 is prefetcht0, 2 prefetcht1.
 constexpr int64_t kPrefetchRows = 4;
 constexpr int kIntoL1 = 3, kIntoL2 = 2;
@@ -210,6 +211,7 @@ void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan
 // 1.05-1.09x faster, int8 1.10-1.12x, bfloat16 1.09-1.10x, float16 1.12-1.16x; at 5 rows float32
 // 1.04-1.06x, int8 1.09x, bfloat16 1.05x, float16 1.16x. (A stand-alone copy of the two loops
 // measured 1.20-1.26x in float32; the kernel's prefetches and reductions are shared by both.)
+
 template <typename scalar_t, typename weight_t, int M, int Hint>
 void row_halves(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64_t end, const KSpan& span) {
   LinearProblem<scalar_t, weight_t> upper = p;  // rows 4 on
@@ -226,6 +228,19 @@ void row_halves(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64
   for (; o < end; ++o) features<scalar_t, weight_t, M, 1, Hint>(p, o, span);
 }
 
+// The AVX2 copy at 2-4 rows (avx2_triples): three features a pass too, 3-12 accumulators, where one
+// feature at 4 rows loads x four times per weight vector, and converted weights (bfloat16, float16,
+// int8) pay their conversion once for the three. AMD EPYC Zen 3, weight_reads' 36 matrices, 2
+// threads, alternated processes (medians of 4-6 rounds, three runs), three a pass over one's
+// time: at 4 rows float32 0.92-0.94, bfloat16 0.81-0.82, float16 0.79-0.85, int8 0.84-0.88; at 3
+// rows bfloat16 0.90-1.05, float16 0.90-0.99, int8 0.89-0.91, but float32 1.04-1.07; at 2 rows
+// int8 0.89-0.94, float32 1.04-1.07, bfloat16 1.09-1.14, float16 1.08-1.12. Two a pass (one run):
+// 0.90-1.12 at 2-4 rows, no better than three.
+template <typename weight_t, int M>
+constexpr bool avx2_triples() {
+  return M == 4 || (M == 3 && !std::is_same_v<weight_t, float>) || (M == 2 && std::is_same_v<weight_t, int8_t>);
+}
+
 template <typename scalar_t, typename weight_t, int M, int Hint>
 void features_in(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64_t end, const KSpan& span) {
   if constexpr (V::size() == 8 && M >= 5) {
@@ -233,7 +248,8 @@ void features_in(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int6
   } else {
     constexpr bool pairs = V::size() == 16 && M >= 3 && (std::is_same_v<weight_t, float> || std::is_same_v<weight_t, int8_t>);
     constexpr bool quads = V::size() == 16 && M == 1 && std::is_same_v<weight_t, int8_t>;
-    constexpr int F = pairs ? 2 : quads ? 4 : 1;
+    constexpr bool triples = V::size() == 8 && avx2_triples<weight_t, M>();
+    constexpr int F = pairs ? 2 : quads ? 4 : triples ? 3 : 1;
     int64_t o = begin;
     for (; o + F <= end; o += F) features<scalar_t, weight_t, M, F, Hint>(p, o, span);
     for (; o < end; ++o) features<scalar_t, weight_t, M, 1, Hint>(p, o, span);
