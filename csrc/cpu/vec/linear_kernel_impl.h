@@ -211,7 +211,6 @@ void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan
 // 1.05-1.09x faster, int8 1.10-1.12x, bfloat16 1.09-1.10x, float16 1.12-1.16x; at 5 rows float32
 // 1.04-1.06x, int8 1.09x, bfloat16 1.05x, float16 1.16x. (A stand-alone copy of the two loops
 // measured 1.20-1.26x in float32; the kernel's prefetches and reductions are shared by both.)
-
 template <typename scalar_t, typename weight_t, int M, int Hint>
 void row_halves(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64_t end, const KSpan& span) {
   LinearProblem<scalar_t, weight_t> upper = p;  // rows 4 on
@@ -228,7 +227,7 @@ void row_halves(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64
   for (; o < end; ++o) features<scalar_t, weight_t, M, 1, Hint>(p, o, span);
 }
 
-// The AVX2 copy at 2-4 rows (avx2_triples): three features a pass too, 3-12 accumulators, where one
+// The AVX2 copy at 2-4 rows: three features a pass too, 3-12 accumulators, where one
 // feature at 4 rows loads x four times per weight vector, and converted weights (bfloat16, float16,
 // int8) pay their conversion once for the three. AMD EPYC Zen 3, weight_reads' 36 matrices, 2
 // threads, alternated processes (medians of 4-6 rounds, three runs), three a pass over one's
@@ -236,9 +235,18 @@ void row_halves(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64
 // rows bfloat16 0.90-1.05, float16 0.90-0.99, int8 0.89-0.91, but float32 1.04-1.07; at 2 rows
 // int8 0.89-0.94, float32 1.04-1.07, bfloat16 1.09-1.14, float16 1.08-1.12. Two a pass (one run):
 // 0.90-1.12 at 2-4 rows, no better than three.
+//
+// Output features a pass of features_in's loop (AVX-512 at every row count, AVX2 below 5 rows):
+// on AVX-512 two from 3 rows for float32 and int8 weights, four at one row of int8; on AVX2 three
+// as just said; else one.
 template <typename weight_t, int M>
-constexpr bool avx2_triples() {
-  return M == 4 || (M == 3 && !std::is_same_v<weight_t, float>) || (M == 2 && std::is_same_v<weight_t, int8_t>);
+constexpr int features_a_pass() {
+  constexpr bool is_float = std::is_same_v<weight_t, float>, is_int8 = std::is_same_v<weight_t, int8_t>;
+  if constexpr (V::size() == 16) {
+    return M >= 3 && (is_float || is_int8) ? 2 : M == 1 && is_int8 ? 4 : 1;
+  } else {
+    return M == 4 || (M == 3 && !is_float) || (M == 2 && is_int8) ? 3 : 1;
+  }
 }
 
 template <typename scalar_t, typename weight_t, int M, int Hint>
@@ -246,10 +254,7 @@ void features_in(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int6
   if constexpr (V::size() == 8 && M >= 5) {
     row_halves<scalar_t, weight_t, M, Hint>(p, begin, end, span);
   } else {
-    constexpr bool pairs = V::size() == 16 && M >= 3 && (std::is_same_v<weight_t, float> || std::is_same_v<weight_t, int8_t>);
-    constexpr bool quads = V::size() == 16 && M == 1 && std::is_same_v<weight_t, int8_t>;
-    constexpr bool triples = V::size() == 8 && avx2_triples<weight_t, M>();
-    constexpr int F = pairs ? 2 : quads ? 4 : triples ? 3 : 1;
+    constexpr int F = features_a_pass<weight_t, M>();
     int64_t o = begin;
     for (; o + F <= end; o += F) features<scalar_t, weight_t, M, F, Hint>(p, o, span);
     for (; o < end; ++o) features<scalar_t, weight_t, M, 1, Hint>(p, o, span);
