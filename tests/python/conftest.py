@@ -26,6 +26,20 @@ settings.register_profile("long", max_examples=3000, deadline=None, suppress_hea
 settings.load_profile(os.environ.get("TORCHMHA_HYPOTHESIS", "ci"))
 
 
+SPAWNS = {"run_python_with", "subprocess"}
+
+
+def pytest_collection_modifyitems(items):
+    """A test that starts a fresh interpreter (run_python_with, subprocess: about 1.4 s each for the
+    imports alone) is `slow`, as pyproject.toml defines it, whether or not it says so: such tests
+    were 80 of the quick suite's 2425 and nine tenths of its 5 minutes, which it ran three times in
+    make test. make test-python runs them all."""
+    for item in items:
+        code = getattr(getattr(item, "function", None), "__code__", None)
+        if code is not None and SPAWNS & {*code.co_names, *code.co_varnames}:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
