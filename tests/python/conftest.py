@@ -31,9 +31,10 @@ SPAWNS = {"run_python_with", "subprocess"}
 
 def pytest_collection_modifyitems(items):
     """A test that starts a fresh interpreter (run_python_with, subprocess: about 1.4 s each for the
-    imports alone) is `slow`, as pyproject.toml defines it, whether or not it says so: such tests
-    were 80 of the quick suite's 2425 and nine tenths of its 5 minutes, which it ran three times in
-    make test. make test-python runs them all."""
+    imports alone) is `slow`, as pyproject.toml defines it, whether or not it says so: 94 such tests
+    were nine tenths of the quick suite's 5 minutes, which make test runs twice (test-wheel,
+    test-torch) beside make check. make test-python runs them all. (Only a test's own names count:
+    one that spawns through a helper of another name says @pytest.mark.slow itself.)"""
     for item in items:
         code = getattr(getattr(item, "function", None), "__code__", None)
         if code is not None and SPAWNS & {*code.co_names, *code.co_varnames}:
