@@ -115,6 +115,7 @@ test: deps
 	MAKE="$(MAKE)" bash scripts/run_stages.sh $(TEST_STAGES)
 
 bench: build
+	$(PYTHON) -m pip install -q -r benchmarks/requirements.txt
 	$(PYTHON) benchmarks/run.py --quick
 	$(PYTHON) benchmarks/bench_decoding.py --quick --threads 1
 
