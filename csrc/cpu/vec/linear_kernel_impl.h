@@ -160,7 +160,10 @@ void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan
       weights[f] = in_register(load_float(w + f * p.w_stride + k));
     }
     for (int m = 0; m < M; ++m) {
-      const V x = V::loadu(p.x + m * p.K + k);
+      // (in a register from 5 rows at several features a pass: GCC folded the load into each
+      // feature's FMA, loading x F times; 0.86-0.89x the time in cache on Zen 4, slower over the
+      // 36 matrices at 3-4 rows: docs/kernel_rules.md, the small linear's features a pass)
+      const V x = F > 1 && M >= 5 ? in_register(V::loadu(p.x + m * p.K + k)) : V::loadu(p.x + m * p.K + k);
       for (int f = 0; f < F; ++f) acc[f][m][u] = at::vec::fmadd(weights[f], x, V(acc[f][m][u]));
     }
   };
