@@ -304,6 +304,16 @@ bool bfloat16_kernel_applies(bool int8_weights, int64_t M) {
   return has && forced.value_or(measured_win);
 }
 
+// Output features a pass of the dot products (linear_kernel_bf16.cpp): two, each vector of x loaded
+// once for both, for int8 weights from 6 rows where AVX-512 runs in halves (Zen 4), whose loads of
+// x bound those rows; else one. Zen 4, weight_reads' 36 matrices, bfloat16 x, alternated processes
+// (5 rounds, two runs), two over one's time: int8 weights 0.78 and 0.74 at 8 rows, 0.83 at 6,
+// 0.90-1.01 at 5, 0.94-0.97 at 3-4, 1.13 at 1; bfloat16 weights 1.11-1.46 at 3-8 rows (two rows
+// streamed at once read slower), though 0.72-0.83 with the weights in cache (docs/kernel_rules.md).
+int bfloat16_features_a_pass(bool int8_weights, int64_t M) {
+  return int8_weights && M >= 6 && cpu_splits_avx512() ? 2 : 1;
+}
+
 // bfloat16 weights on the tiles rather than the dot products from kAmxMinRows rows of x: there the
 // dot products are bound by their instructions, the tiles by the read (docs/kernel_rules.md). K a
 // multiple of 32 (a tile's columns); the output features past the last 16 run on the dot products.
@@ -356,7 +366,7 @@ void run_bfloat16_kernel(const Tensor& x, const Tensor& weight, const OptionalTe
   const kernel::BFloat16Problem<weight_t> problem{
       bits(rows), reinterpret_cast<const weight_t*>(weight.const_data_ptr()), weight.stride(0),
       is_present(scale) ? scale->const_data_ptr<float>() : nullptr, is_present(bias) ? bits(*bias) : nullptr, bits(y),
-      rows.size(0), K, O};
+      rows.size(0), K, O, bfloat16_features_a_pass(std::is_same_v<weight_t, int8_t>, rows.size(0))};
   int64_t done = 0;
   if constexpr (std::is_same_v<weight_t, uint16_t>) {
     if (tiles) {

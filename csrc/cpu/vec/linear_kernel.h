@@ -65,6 +65,7 @@ struct BFloat16Problem {
   const uint16_t* bias;  // (O,) or null
   uint16_t* y;           // (M, O), contiguous
   int64_t M, K, O;
+  int features_a_pass = 1;  // 1 or 2 (small_linear_kernel.cpp: bfloat16_features_a_pass)
 };
 
 namespace avx512_bf16 {

@@ -66,31 +66,41 @@ __m512i load_weights(const weight_t* w, __mmask32 lanes, bool whole) {
   }
 }
 
-// Output feature o for all M rows, as the float loop's `features` (linear_kernel_impl.h): the
-// weight row read once, front to back, U vectors at a time with their own accumulators. One feature
-// at a time for every M: two a pass (x loaded once for both, as float32 does) measured slower from
-// 3 to 6 rows (1.25-1.29 against 1.12-1.13 ms at 3-4 rows over weight_reads' 36 matrices, AMD EPYC
-// Zen 5, 2 threads, alternated in one process) and equal at 8; 28 accumulators instead of 16, equal.
-template <typename weight_t, int M>
-void feature(const BFloat16Problem<weight_t>& p, int64_t o) {
-  constexpr int A = 16 / M;
+// Output features [o, o + F) for all M rows, as the float loop's `features` (linear_kernel_impl.h):
+// each weight row read once, front to back, U vectors at a time with their own accumulators.
+// F = 2 loads each vector of x once for both features: small_linear_kernel.cpp's
+// bfloat16_features_a_pass says where (int8 weights from 6 rows on Zen 4). Two rows of bfloat16
+// weights streamed at once read slower (Zen 4: 1.11-1.46x the time at 3-8 rows over weight_reads'
+// 36 matrices; Zen 5, before x was kept in a register: 1.25-1.29 against 1.12-1.13 ms at 3-4 rows,
+// equal at 8), so they keep one a pass.
+template <typename weight_t, int M, int F>
+void features(const BFloat16Problem<weight_t>& p, int64_t o) {
+  constexpr int A = 16 / (M * F);
   constexpr int U = A >= 8 ? 8 : A >= 4 ? 4 : A >= 2 ? 2 : 1;
   const weight_t* w = p.w + o * p.w_stride;
   // (an address, not a pointer into the weights: it may lie past their end)
   const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + kPrefetchRows * p.w_stride * sizeof(weight_t);
-  __m512 acc[M][U];
-  for (int m = 0; m < M; ++m) {
-    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+  __m512 acc[F][M][U];
+  for (int f = 0; f < F; ++f) {
+    for (int m = 0; m < M; ++m) {
+      for (int u = 0; u < U; ++u) acc[f][m][u] = _mm512_setzero_ps();
+    }
   }
   // (whole: K - k >= S, else the first K - k lanes)
   const auto block = [&](int64_t k, int u, bool whole) {
     const __mmask32 lanes = whole ? ~__mmask32(0) : (__mmask32(1) << (p.K - k)) - 1;
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + k * sizeof(weight_t)), _MM_HINT_T0);
-    const __m512i weights = load_weights(w + k, lanes, whole);
+    __m512i weights[F];
+    for (int f = 0; f < F; ++f) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (f * p.w_stride + k) * sizeof(weight_t)), _MM_HINT_T0);
+      weights[f] = load_weights(w + f * p.w_stride + k, lanes, whole);
+    }
     for (int m = 0; m < M; ++m) {
       const uint16_t* x = p.x + m * p.K + k;
-      const __m512i xs = whole ? _mm512_loadu_si512(x) : _mm512_maskz_loadu_epi16(lanes, x);
-      acc[m][u] = _mm512_dpbf16_ps(acc[m][u], as_pairs(weights), as_pairs(xs));
+      __m512i xs = whole ? _mm512_loadu_si512(x) : _mm512_maskz_loadu_epi16(lanes, x);
+      if constexpr (F > 1) {
+        asm("" : "+v"(xs));  // (in a register: else GCC may fold the load into each feature's vdpbf16ps)
+      }
+      for (int f = 0; f < F; ++f) acc[f][m][u] = _mm512_dpbf16_ps(acc[f][m][u], as_pairs(weights[f]), as_pairs(xs));
     }
   };
   int64_t k = 0;
@@ -101,23 +111,29 @@ void feature(const BFloat16Problem<weight_t>& p, int64_t o) {
   if (k < p.K) {
     block(k, 0, false);
   }
-  for (int m = 0; m < M; ++m) {
-    __m512 total = acc[m][0];
-    for (int u = 1; u < U; ++u) total = _mm512_add_ps(total, acc[m][u]);
-    float sum = _mm512_reduce_add_ps(total);
-    if (p.scale != nullptr) {
-      sum *= p.scale[o];
+  for (int f = 0; f < F; ++f) {
+    for (int m = 0; m < M; ++m) {
+      __m512 total = acc[f][m][0];
+      for (int u = 1; u < U; ++u) total = _mm512_add_ps(total, acc[f][m][u]);
+      float sum = _mm512_reduce_add_ps(total);
+      if (p.scale != nullptr) {
+        sum *= p.scale[o + f];
+      }
+      if (p.bias != nullptr) {
+        sum += to_float(p.bias[o + f]);
+      }
+      p.y[m * p.O + o + f] = to_bfloat16(sum);
     }
-    if (p.bias != nullptr) {
-      sum += to_float(p.bias[o]);
-    }
-    p.y[m * p.O + o] = to_bfloat16(sum);
   }
 }
 
 template <typename weight_t, int M>
 void rows_of(const BFloat16Problem<weight_t>& p, int64_t begin, int64_t end) {
-  for (int64_t o = begin; o < end; ++o) feature<weight_t, M>(p, o);
+  int64_t o = begin;
+  if (p.features_a_pass == 2) {
+    for (; o + 2 <= end; o += 2) features<weight_t, M, 2>(p, o);
+  }
+  for (; o < end; ++o) features<weight_t, M, 1>(p, o);
 }
 
 template <typename weight_t>
