@@ -440,6 +440,18 @@ bool weights_to_l2() {
   return forced.value_or(measured && cpu_splits_avx512());
 }
 
+// Whether the float loop takes float16 weights two output features a pass from 6 rows (each vector
+// of x loaded once for both; linear_kernel_impl.h), rather than one. Where AVX-512 runs in halves
+// (Zen 4), whose 8 rows of float16 are bound by their arithmetic and x's loads, not the read:
+// weight_reads' 36 matrices, alternated processes, 4 rounds, two over one's time: 0.80 at 8 rows
+// (rounds 0.79-0.82), 0.93-0.96 at 6, but 1.02-1.07 at 5 (0.74-0.87 in cache). Not measured elsewhere
+// (Zen 5's measurement against two a pass was taken while x was still loaded once a feature:
+// docs/kernel_rules.md).
+template <typename weight_t>
+bool half_pairs() {
+  return std::is_same_v<weight_t, c10::Half> && cpu_splits_avx512();
+}
+
 // The float loop on output features [done, O) of p, split over threads. Past kLinearMaxRows rows
 // (float_loop_only), blocks of them: each thread takes its features a chunk at a time through every
 // block, so the chunk's weights come from memory once and from L2 for the other blocks (a block at
@@ -503,7 +515,7 @@ bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& sca
       rows.data, weight.const_data_ptr<weight_t>(), weight.stride(0),
       is_present(scale) ? scale->const_data_ptr<float>() : nullptr,
       is_present(bias) ? bias->const_data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(), rows.M, K, O,
-      weights_to_l2<weight_t>()};
+      weights_to_l2<weight_t>(), half_pairs<weight_t>()};
   float_loop(problem, done);
   return true;
 }

@@ -26,6 +26,7 @@ struct LinearProblem {
   scalar_t* y;            // (M, O), contiguous
   int64_t M, K, O;
   bool weights_to_l2 = false;  // prefetch the weights into L2 only, not L1 (the AVX-512 copy)
+  bool half_pairs = false;     // float16 weights two features a pass from 6 rows (the AVX-512 copy)
 };
 
 constexpr int64_t kLinearMaxRows = 8;

@@ -252,15 +252,27 @@ constexpr int features_a_pass() {
   }
 }
 
+// Features [begin, end), F at a time, then the rest one at a time.
+template <typename scalar_t, typename weight_t, int M, int F, int Hint>
+void features_by(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64_t end, const KSpan& span) {
+  int64_t o = begin;
+  for (; o + F <= end; o += F) features<scalar_t, weight_t, M, F, Hint>(p, o, span);
+  for (; o < end; ++o) features<scalar_t, weight_t, M, 1, Hint>(p, o, span);
+}
+
+// (float16 weights from 6 rows on AVX-512: two a pass where LinearProblem::half_pairs says, at run
+// time: small_linear_kernel.cpp's half_pairs)
 template <typename scalar_t, typename weight_t, int M, int Hint>
 void features_in(const LinearProblem<scalar_t, weight_t>& p, int64_t begin, int64_t end, const KSpan& span) {
   if constexpr (V::size() == 8 && M >= 5) {
     row_halves<scalar_t, weight_t, M, Hint>(p, begin, end, span);
+  } else if constexpr (V::size() == 16 && M >= 6 && std::is_same_v<weight_t, c10::Half>) {
+    if (p.half_pairs) {
+      return features_by<scalar_t, weight_t, M, 2, Hint>(p, begin, end, span);
+    }
+    features_by<scalar_t, weight_t, M, 1, Hint>(p, begin, end, span);
   } else {
-    constexpr int F = features_a_pass<weight_t, M>();
-    int64_t o = begin;
-    for (; o + F <= end; o += F) features<scalar_t, weight_t, M, F, Hint>(p, o, span);
-    for (; o < end; ++o) features<scalar_t, weight_t, M, 1, Hint>(p, o, span);
+    features_by<scalar_t, weight_t, M, features_a_pass<weight_t, M>(), Hint>(p, begin, end, span);
   }
 }
 
