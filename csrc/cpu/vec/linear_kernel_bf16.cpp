@@ -71,8 +71,8 @@ __m512i load_weights(const weight_t* w, __mmask32 lanes, bool whole) {
 // F = 2 loads each vector of x once for both features: small_linear_kernel.cpp's
 // bfloat16_features_a_pass says where (int8 weights from 6 rows on Zen 4). Two rows of bfloat16
 // weights streamed at once read slower (Zen 4: 1.11-1.46x the time at 3-8 rows over weight_reads'
-// 36 matrices; Zen 5, before x was kept in a register: 1.25-1.29 against 1.12-1.13 ms at 3-4 rows,
-// equal at 8), so they keep one a pass.
+// 36 matrices; Zen 5, an earlier two-a-pass loop: 1.25-1.29 against 1.12-1.13 ms at 3-4 rows, equal
+// at 8), so they keep one a pass.
 template <typename weight_t, int M, int F>
 void features(const BFloat16Problem<weight_t>& p, int64_t o) {
   constexpr int A = 16 / (M * F);
