@@ -195,6 +195,31 @@ def test_without_avx512_bf16_the_float_loop_computes_bfloat16_rows_the_same():
 @pytest.mark.skipif(
     not (torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported()),
     reason="needs AVX512-BF16")
+def test_bfloat16_dot_products_take_int8_weights_two_features_a_pass_from_6_rows_where_avx512_runs_in_halves():
+    """One feature whose sum depends on its accumulators: 2^24 (x = 2^18 against 64) at column 0, 1
+    at 32, -2^24 at 64. Two features a pass leave one accumulator a feature at 8 rows, where 2^24
+    absorbs the 1 before cancelling (0); one a pass leaves two, the 1 in the second (1).
+    bfloat16_features_a_pass: two from 6 rows where AVX-512 runs in halves (TORCHMHA_AVX512_HALVES),
+    else one (the dot products forced on: an AMD vendor, VNNI's exact digits and AMX's tiles off)."""
+    from helpers import run_python_with
+    code = """
+import torch, torchmha
+q = torch.zeros(16, 96, dtype=torch.int8)
+q[:, 0], q[:, 32], q[:, 64] = 64, 1, -64
+def sums(rows):
+    x = torch.ones(rows, 96)
+    x[:, 0] = x[:, 64] = 2.0**18
+    return torch.ops.torchmha.quantized_linear(x.bfloat16(), q, torch.ones(16), None)[:, 0].float().tolist()
+assert sums(8) == [{}] * 8 and sums(5) == [1.0] * 5, (sums(8), sums(5))
+"""
+    forced = {"TORCHMHA_CPU_VENDOR": "amd", "TORCHMHA_AVX512_BF16": "1", "TORCHMHA_VNNI": "0", "TORCHMHA_AMX_LINEAR": "0"}
+    run_python_with(code.format(0.0), set_env={**forced, "TORCHMHA_AVX512_HALVES": "1"})
+    run_python_with(code.format(1.0), set_env={**forced, "TORCHMHA_AVX512_HALVES": "0"})
+
+
+@pytest.mark.skipif(
+    not (torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported()),
+    reason="needs AVX512-BF16")
 @pytest.mark.parametrize("vendor, setting, dot_products", [("amd", None, True), ("intel", None, False),
                                                             ("intel", "1", True), ("amd", "0", False)])
 def test_bfloat16_rows_take_dot_products_on_amd_or_where_set(vendor, setting, dot_products):

@@ -117,6 +117,27 @@ def test_amx_tiles_take_bfloat16_weights_from_three_rows_and_float16_from_five()
                     set_env={"TORCHMHA_AMX_LINEAR": "0"})
 
 
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="needs AVX-512")
+def test_float16_weights_take_two_features_a_pass_from_6_rows_where_avx512_runs_in_halves():
+    """One feature whose sum depends on its accumulators: 2^24 (4096^2) at column 0, 1 at 16,
+    -2^24 at 32. Two features a pass leave the float loop one accumulator a feature at 8 rows, where
+    2^24 absorbs the 1 before cancelling (0); one a pass leaves two, the 1 in the second (1).
+    half_pairs: two from 6 rows where AVX-512 runs in halves (TORCHMHA_AVX512_HALVES), else one
+    (AMX's tiles off, which would take these rows)."""
+    code = """
+import torch, torchmha
+w = torch.zeros(16, 48, dtype=torch.float16)
+w[:, 0], w[:, 16], w[:, 32] = 4096.0, 1.0, -4096.0
+def sums(rows):
+    x = torch.ones(rows, 48, dtype=torch.float16)
+    x[:, 0] = x[:, 32] = 4096.0
+    return torch.ops.torchmha.small_linear(x, w, None)[:, 0].float().tolist()
+assert sums(8) == [{}] * 8 and sums(5) == [1.0] * 5, (sums(8), sums(5))
+"""
+    run_python_with(code.format(0.0), set_env={"TORCHMHA_AVX512_HALVES": "1", "TORCHMHA_AMX_LINEAR": "0"})
+    run_python_with(code.format(1.0), set_env={"TORCHMHA_AVX512_HALVES": "0", "TORCHMHA_AMX_LINEAR": "0"})
+
+
 AMX_PARITY = """
 import sys; sys.path.insert(0, %r)
 import torch, torch.nn.functional as F, test_small_linear as t
