@@ -29,6 +29,17 @@ struct LinearProblem {
   bool half_pairs = false;     // float16 weights two features a pass from 6 rows (the AVX-512 copy)
 };
 
+/// Where a pass over F features prefetches feature f's weights at column k, from `ahead` (the same
+/// position, some rows on), in weights: at column k of each row (row stride `stride`), or, where
+/// the rows ahead are one block (rows one after another, and a pass reads each of them whole,
+/// possibly over several spans of K in turn), its lines front to back: F k + step f, `step` the
+/// weights one prefetch covers. The same lines; in order they are one sequential stream, which the
+/// L2's own prefetcher follows. Measured on the AVX2 copy (AMD EPYC Zen 3), where the interleaved
+/// order kept reads and arithmetic from overlapping: docs/kernel_rules.md, the prefetches' order.
+constexpr int64_t prefetch_offset(bool one_block, int F, int f, int64_t k, int64_t step, int64_t stride) {
+  return one_block ? F * k + step * f : stride * f + k;
+}
+
 constexpr int64_t kLinearMaxRows = 8;
 /// linear_rows: output features [begin, end) of `p`, for every row of x (M at most kLinearMaxRows).
 /// to_float: n bfloat16 or float16 values as float32 (exactly), with this instruction set's

@@ -151,18 +151,15 @@ void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan
   // (an address, not a pointer into the weights: it may lie past their end)
   const char* ahead = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(w) +
                                                     kPrefetchRows * p.w_stride * sizeof(weight_t));
-  // Several features a pass on the AVX2 copy, rows one after another and K whole: the F rows ahead
-  // are one block, prefetched front to back (F k + S f from its start at column k) rather than at
-  // column k of each row, so that the prefetches are one sequential stream, which the L2's own
-  // prefetcher follows (as linear_kernel_int16.cpp's; docs/kernel_rules.md, the prefetches' order).
+  // (prefetch_offset's block: on the AVX2 copy, where it was measured; K whole, since a span's
+  // pass moves on to the next features before the rest of K)
   const bool one_block = V::size() == 8 && F > 1 && p.w_stride == p.K && span.begin == 0 && span.end == p.K;
   Register acc[F][M][U];
   c10::ForcedUnroll<F * M * U>{}([&](auto i) { acc[i / (M * U)][i / U % M][i % U] = V(0); });
   const auto block = [&](int64_t k, int u) {
     V weights[F];
     for (int f = 0; f < F; ++f) {
-      const int64_t at = one_block ? F * k + f * S : f * p.w_stride + k;
-      __builtin_prefetch(ahead + at * sizeof(weight_t), 0, Hint);
+      __builtin_prefetch(ahead + prefetch_offset(one_block, F, f, k, S, p.w_stride) * sizeof(weight_t), 0, Hint);
       weights[f] = in_register(load_float(w + f * p.w_stride + k));
     }
     for (int m = 0; m < M; ++m) {
