@@ -314,6 +314,19 @@ int bfloat16_features_a_pass(bool int8_weights, int64_t M) {
   return int8_weights && M >= 6 && cpu_splits_avx512() ? 2 : 1;
 }
 
+// Whether the float loop and the bfloat16 dot products prefetch the rows ahead as one block, front
+// to back, where a pass takes several features of contiguous rows (prefetch_offset, linear_kernel.h),
+// rather than at column k of each row. Measured (docs/kernel_rules.md, the prefetches' order) on the
+// AVX2 copy (Zen 3) and where AVX-512 runs in halves (Zen 4: weight_reads' 36 matrices, alternated
+// processes, 5-9 rounds, in order over each row's order, time: int8 1 row 0.85-0.87, the int8 step
+// at batch 1 0.83; float32 8 rows 0.89, float16 6-8 0.83-0.93, int8 3-8 0.95-0.97, int8 under the
+// dot products at 6-8 rows 0.97-0.98; float32 3-5 rows 0.97-1.01). Zen 5 and Intel keep each row's
+// order, unmeasured. TORCHMHA_PREFETCH_ORDER=1 takes it on every copy, 0 never.
+bool prefetch_in_order() {
+  static const std::optional<bool> forced = settings::read_switch("TORCHMHA_PREFETCH_ORDER");
+  return forced.value_or(cpu_capability() != Capability::kAvx512 || cpu_splits_avx512());
+}
+
 // bfloat16 weights on the tiles rather than the dot products from kAmxMinRows rows of x: there the
 // dot products are bound by their instructions, the tiles by the read (docs/kernel_rules.md). K a
 // multiple of 32 (a tile's columns); the output features past the last 16 run on the dot products.
@@ -366,7 +379,8 @@ void run_bfloat16_kernel(const Tensor& x, const Tensor& weight, const OptionalTe
   const kernel::BFloat16Problem<weight_t> problem{
       bits(rows), reinterpret_cast<const weight_t*>(weight.const_data_ptr()), weight.stride(0),
       is_present(scale) ? scale->const_data_ptr<float>() : nullptr, is_present(bias) ? bits(*bias) : nullptr, bits(y),
-      rows.size(0), K, O, bfloat16_features_a_pass(std::is_same_v<weight_t, int8_t>, rows.size(0))};
+      rows.size(0), K, O, bfloat16_features_a_pass(std::is_same_v<weight_t, int8_t>, rows.size(0)),
+      prefetch_in_order()};
   int64_t done = 0;
   if constexpr (std::is_same_v<weight_t, uint16_t>) {
     if (tiles) {
@@ -515,7 +529,7 @@ bool run_kernel(const Tensor& x, const Tensor& weight, const OptionalTensor& sca
       rows.data, weight.const_data_ptr<weight_t>(), weight.stride(0),
       is_present(scale) ? scale->const_data_ptr<float>() : nullptr,
       is_present(bias) ? bias->const_data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(), rows.M, K, O,
-      weights_to_l2<weight_t>(), half_pairs<weight_t>()};
+      weights_to_l2<weight_t>(), half_pairs<weight_t>(), prefetch_in_order()};
   float_loop(problem, done);
   return true;
 }

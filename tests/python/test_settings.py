@@ -56,6 +56,7 @@ TRIGGERS = {
                              "torch.ops.torchmha.quantized_linear(torch.randn(1, 8), q, s, None)",
     "TORCHMHA_LINEAR_BLOCKED_ROWS": "torch.ops.torchmha.small_linear(torch.randn(9, 8), torch.randn(4, 8), None)",
     "TORCHMHA_PREFETCH_L2": "torch.ops.torchmha.small_linear(torch.randn(1, 8), torch.randn(4, 8), None)",
+    "TORCHMHA_PREFETCH_ORDER": "torch.ops.torchmha.small_linear(torch.randn(1, 8), torch.randn(4, 8), None)",
     "TORCHMHA_CPU_CAPABILITY": "m = torchmha.MultiheadAttention(8, 1).eval(); x = torch.randn(4, 1, 8); m(x, x, x)",
     "TORCHMHA_AMX": "x = torch.randn(1, 1, 256, 8, dtype=torch.bfloat16); "
                     "torchmha.MultiheadAttention(8, 1, dtype=torch.bfloat16)(x[0], x[0], x[0], need_weights=False)",
@@ -91,6 +92,7 @@ MALFORMED = [
     ("TORCHMHA_INT16_DIGITS", "16", SWITCH),
     ("TORCHMHA_LINEAR_BLOCKED_ROWS", "all", COUNT + " (rows of x)"),
     ("TORCHMHA_PREFETCH_L2", "l2", SWITCH),
+    ("TORCHMHA_PREFETCH_ORDER", "block", SWITCH),
     ("TORCHMHA_RESIDUAL_NORM", "fused", SWITCH),
     ("TORCHMHA_KERNEL_STEP", "kernels", SWITCH),
     ("TORCHMHA_AVX512_BF16", "yes", SWITCH),
@@ -374,29 +376,33 @@ assert [dot_products(r) for r in (1, 2, 3, 8)] == {}
                     unset=("TORCHMHA_AVX512_BF16", "TORCHMHA_AVX512_HALVES"))
 
 
-def test_prefetch_setting_moves_no_result(tmp_path):
-    """TORCHMHA_PREFETCH_L2 moves only where the float loop's prefetches land (L2 or L1: the AVX-512
-    copy's two instantiations of the loop, small_linear_kernel.cpp's weights_to_l2), never a value:
-    every weight dtype, 1-8 rows and a block of 12, K in spans with a tail, O past a block, bias,
-    equal to the bit under 1 and 0."""
+@pytest.mark.parametrize("name", ["TORCHMHA_PREFETCH_L2", "TORCHMHA_PREFETCH_ORDER"])
+def test_prefetch_setting_moves_no_result(tmp_path, name):
+    """The prefetch settings move only where the small-batch kernels' prefetches land, never a
+    value: TORCHMHA_PREFETCH_L2 into L2 or L1 (the AVX-512 copy's two instantiations of the float
+    loop, small_linear_kernel.cpp's weights_to_l2), TORCHMHA_PREFETCH_ORDER the rows ahead as one
+    block or each row (prefetch_in_order: the float loop and the bfloat16 dot products). Every
+    weight dtype, 1-8 rows and a block of 12, K whole (512) and in spans with a tail (1100), O past
+    a block, bias, equal to the bit under 1 and 0."""
     code = """
 import sys, torch, torchmha
 torch.manual_seed(0)
 ops, out = torch.ops.torchmha, []
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
-    w, b = torch.randn(301, 1100).to(dtype), torch.randn(301).to(dtype)
-    q, s = ops.quantize_weight(w.float())
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 12):
-        x = torch.randn(rows, 1100).to(dtype)
-        out += [ops.small_linear(x, w, b), ops.quantized_linear(x, q, s, b)]
+    for K in (1100, 512):
+        w, b = torch.randn(301, K).to(dtype), torch.randn(301).to(dtype)
+        q, s = ops.quantize_weight(w.float())
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 12):
+            x = torch.randn(rows, K).to(dtype)
+            out += [ops.small_linear(x, w, b), ops.quantized_linear(x, q, s, b)]
 torch.save(out, sys.argv[1] if len(sys.argv) > 1 else {path!r})
 """
     for value in ("0", "1"):
-        run_python_with(code.format(path=str(tmp_path / value)), set_env={"TORCHMHA_PREFETCH_L2": value,
+        run_python_with(code.format(path=str(tmp_path / value)), set_env={name: value,
                                                                           "TORCHMHA_LINEAR_BLOCKED_ROWS": "16"})
-    into_l1, into_l2 = torch.load(tmp_path / "0"), torch.load(tmp_path / "1")
-    assert len(into_l1) == 54
-    for a, b in zip(into_l1, into_l2):
+    off, on = torch.load(tmp_path / "0"), torch.load(tmp_path / "1")
+    assert len(off) == 108
+    for a, b in zip(off, on):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 

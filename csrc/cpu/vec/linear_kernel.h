@@ -27,6 +27,7 @@ struct LinearProblem {
   int64_t M, K, O;
   bool weights_to_l2 = false;  // prefetch the weights into L2 only, not L1 (the AVX-512 copy)
   bool half_pairs = false;     // float16 weights two features a pass from 6 rows (the AVX-512 copy)
+  bool prefetch_in_order = false;  // prefetch_offset's block where it holds (small_linear_kernel.cpp)
 };
 
 /// Where a pass over F features prefetches feature f's weights at column k, from `ahead` (the same
@@ -35,7 +36,8 @@ struct LinearProblem {
 /// possibly over several spans of K in turn), its lines front to back: F k + step f, `step` the
 /// weights one prefetch covers. The same lines; in order they are one sequential stream, which the
 /// L2's own prefetcher follows. Measured on the AVX2 copy (AMD EPYC Zen 3), where the interleaved
-/// order kept reads and arithmetic from overlapping: docs/kernel_rules.md, the prefetches' order.
+/// order kept reads and arithmetic from overlapping, and on Zen 4 (small_linear_kernel.cpp's
+/// prefetch_in_order says where): docs/kernel_rules.md, the prefetches' order.
 constexpr int64_t prefetch_offset(bool one_block, int F, int f, int64_t k, int64_t step, int64_t stride) {
   return one_block ? F * k + step * f : stride * f + k;
 }
@@ -78,6 +80,7 @@ struct BFloat16Problem {
   uint16_t* y;           // (M, O), contiguous
   int64_t M, K, O;
   int features_a_pass = 1;  // 1 or 2 (small_linear_kernel.cpp: bfloat16_features_a_pass)
+  bool prefetch_in_order = false;  // as LinearProblem's
 };
 
 namespace avx512_bf16 {

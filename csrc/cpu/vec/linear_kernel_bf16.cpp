@@ -80,6 +80,7 @@ void features(const BFloat16Problem<weight_t>& p, int64_t o) {
   const weight_t* w = p.w + o * p.w_stride;
   // (an address, not a pointer into the weights: it may lie past their end)
   const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + kPrefetchRows * p.w_stride * sizeof(weight_t);
+  const bool one_block = p.prefetch_in_order && F > 1 && p.w_stride == p.K;  // (prefetch_offset's block)
   __m512 acc[F][M][U];
   for (int f = 0; f < F; ++f) {
     for (int m = 0; m < M; ++m) {
@@ -91,7 +92,8 @@ void features(const BFloat16Problem<weight_t>& p, int64_t o) {
     const __mmask32 lanes = whole ? ~__mmask32(0) : (__mmask32(1) << (p.K - k)) - 1;
     __m512i weights[F];
     for (int f = 0; f < F; ++f) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + (f * p.w_stride + k) * sizeof(weight_t)), _MM_HINT_T0);
+      const int64_t offset = prefetch_offset(one_block, F, f, k, S, p.w_stride);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + offset * sizeof(weight_t)), _MM_HINT_T0);
       weights[f] = load_weights(w + f * p.w_stride + k, lanes, whole);
     }
     for (int m = 0; m < M; ++m) {

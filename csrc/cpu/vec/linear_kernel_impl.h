@@ -151,9 +151,9 @@ void features(const LinearProblem<scalar_t, weight_t>& p, int64_t o, const KSpan
   // (an address, not a pointer into the weights: it may lie past their end)
   const char* ahead = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(w) +
                                                     kPrefetchRows * p.w_stride * sizeof(weight_t));
-  // (prefetch_offset's block: on the AVX2 copy, where it was measured; K whole, since a span's
+  // (prefetch_offset's block where LinearProblem::prefetch_in_order says; K whole, since a span's
   // pass moves on to the next features before the rest of K)
-  const bool one_block = V::size() == 8 && F > 1 && p.w_stride == p.K && span.begin == 0 && span.end == p.K;
+  const bool one_block = p.prefetch_in_order && F > 1 && p.w_stride == p.K && span.begin == 0 && span.end == p.K;
   Register acc[F][M][U];
   c10::ForcedUnroll<F * M * U>{}([&](auto i) { acc[i / (M * U)][i / U % M][i % U] = V(0); });
   const auto block = [&](int64_t k, int u) {
