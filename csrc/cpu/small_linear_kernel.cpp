@@ -319,9 +319,9 @@ int bfloat16_features_a_pass(bool int8_weights, int64_t M) {
 // rather than at column k of each row. Measured (docs/kernel_rules.md, the prefetches' order) on the
 // AVX2 copy (Zen 3) and where AVX-512 runs in halves (Zen 4: weight_reads' 36 matrices, alternated
 // processes, 5-9 rounds, in order over each row's order, time: int8 1 row 0.85-0.87, the int8 step
-// at batch 1 0.83; float32 8 rows 0.89, float16 6-8 0.83-0.93, int8 3-8 0.95-0.97, int8 under the
-// dot products at 6-8 rows 0.97-0.98; float32 3-5 rows 0.97-1.01). Zen 5 and Intel keep each row's
-// order, unmeasured. TORCHMHA_PREFETCH_ORDER=1 takes it on every copy, 0 never.
+// at batch 1 0.83; float32 8 rows 0.89, float16 6-8 0.83-0.93, int8 3-8 0.95-1.00, int8 under the
+// dot products at 6-8 rows 0.97-0.98; float32 3-5 rows 0.97-1.06, in the noise). Zen 5 and Intel
+// keep each row's order, unmeasured. TORCHMHA_PREFETCH_ORDER=1 takes it on every copy, 0 never.
 bool prefetch_in_order() {
   static const std::optional<bool> forced = settings::read_switch("TORCHMHA_PREFETCH_ORDER");
   return forced.value_or(cpu_capability() != Capability::kAvx512 || cpu_splits_avx512());
